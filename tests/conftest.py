@@ -1,0 +1,189 @@
+"""Tiny, deterministic models and tokenizers for everyone's tests.
+
+Import the factories directly (`from conftest import make_tiny_llama, greedy_reference`)
+or use the fixtures below. Everything here is built locally in well under a second;
+nothing touches a model hub.
+
+- `make_tokenizer`: a character-level tokenizer (printable ASCII + newline) with
+  `<pad>`=0, `<eos>`=1, `<bos>`=2, `<unk>`=3 — pad and EOS deliberately differ here
+  (SmolLM2's are equal: tests must never infer masks from ids either way).
+- `make_tiny_llama`: a random Llama, float64 by default so that greedy ties are not an issue.
+- `perturbed_copy`: a "draft" that agrees with its target often but not always.
+- `greedy_reference`: the oracle — plain batch-1 greedy decoding, no padding.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from batchspec_cli.models import cache_kwarg
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+TINY_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)  # 100
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Slow tests run by default (CI runs everything); `-m "not slow"` leaves them out by hand.
+    config.addinivalue_line("markers", "slow: end-to-end tests on the real default model")
+
+
+# --------------------------------------------------------------------------- factories
+
+
+def make_tokenizer(tmp_dir: Path | None = None, shuffle_seed: int | None = None) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer over printable ASCII + newline, 100 tokens.
+
+    `shuffle_seed` permutes the ids of the characters (special tokens keep theirs): a
+    tokenizer with the same tokens but a different vocabulary, for mismatch tests.
+    """
+    chars = list(CHARS)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(chars)
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one char, one id
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    if tmp_dir is not None:
+        tokenizer.save_pretrained(tmp_dir)
+    return tokenizer
+
+
+def make_tiny_llama(
+    vocab_size: int,
+    seed: int,
+    dtype: torch.dtype = torch.float64,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    eos_token_id: int | list[int] = EOS_ID,
+    pad_token_id: int = PAD_ID,
+) -> LlamaForCausalLM:
+    """A random Llama, eval mode, no grad. Same seed -> same weights (initialised in float32, then cast)."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # wide logits: greedy near-ties are rare
+        bos_token_id=BOS_ID,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.requires_grad_(False)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = pad_token_id
+    return model
+
+
+def perturbed_copy(model: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """A deep copy with N(0, scale^2) noise added to every parameter (a draft close to its target)."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float64)
+            param.add_((noise * scale).to(param.dtype))
+    return draft
+
+
+def save_tiny_model_dir(tmp_dir: Path, seed: int, **kw) -> Path:
+    """A float32 tiny Llama + `make_tokenizer` saved as a checkpoint directory `load_model` accepts."""
+    tmp_dir = Path(tmp_dir)
+    tokenizer = make_tokenizer()
+    kw.setdefault("eos_token_id", tokenizer.eos_token_id)
+    kw.setdefault("pad_token_id", tokenizer.pad_token_id)
+    kw["dtype"] = torch.float32
+    model = make_tiny_llama(len(tokenizer), seed, **kw)
+    model.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    return tmp_dir
+
+
+@torch.no_grad()
+def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
+    """Per-prompt greedy decoding (batch 1, no padding, DynamicCache).
+
+    Returns the completion, including the EOS token when one was produced (it ends the completion).
+    """
+    device = next(model.parameters()).device
+    cache = DynamicCache()
+    stop = set(eos_ids)
+    inputs = torch.tensor([prompt_ids], device=device)
+    completion: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=inputs, use_cache=True, **{cache_kwarg(model): cache}).logits
+        token = int(logits[0, -1].argmax())
+        completion.append(token)
+        if token in stop:
+            break
+        inputs = torch.tensor([[token]], device=device)
+    return completion
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LlamaForCausalLM:
+    """float64 tiny target (seed 0); do not modify it in a test."""
+    return make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target) -> LlamaForCausalLM:
+    """`tiny_target` plus noise (scale 0.01): ~50 % of teacher-forced greedy tokens agree."""
+    return perturbed_copy(tiny_target, scale=0.01, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny target checkpoint (seed 0, float32), loadable with `load_model(str(path))`."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny_target"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    """A saved tiny draft checkpoint: same tokenizer, one layer, other seed (a draft far from the target)."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny_draft"), seed=1, layers=1)
+
+
+@pytest.fixture
+def tiny_prompts(tiny_tokenizer) -> list[list[int]]:
+    """Prompts of varied lengths (token ids, no special tokens)."""
+    texts = ["Hi", "The quick brown fox", "a", "Hello, world! How are you?", string.ascii_lowercase]
+    return [tiny_tokenizer.encode(text, add_special_tokens=False) for text in texts]
