@@ -19,7 +19,7 @@ from .runner import GenerateConfig, Generation, Started, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE, EXIT_ROW_ERRORS = 2, 3
 
@@ -81,7 +81,7 @@ def generate(
         id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()), dtype=dtype, device=device,
         limit=limit, overwrite=overwrite, quiet=quiet, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=seed, bucket_width=bucket_width, threads=threads)
-    out = Console(quiet=quiet)
+    out = Console(quiet=quiet, soft_wrap=True)
     try:
         job = Generation.open(cfg)
     except UsageError as exc:
@@ -120,3 +120,110 @@ def _run_with_progress(job: Generation, out: Console, quiet: bool) -> dict:
 
 def main() -> None:  # pragma: no cover - console entry point
     app()
+
+
+@app.command()
+def verify(
+    completions: Annotated[Path, typer.Argument(help="Completions .parquet written by `batchspec generate`.")],
+    sample: Annotated[Optional[int], typer.Option(help="Check N random rows (default: every row).")] = None,
+    tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie.")] = 1e-3,
+    seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = 0,
+    device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Re-decode rows one at a time with plain greedy decoding and compare (exit 1 on an unexplained mismatch)."""
+    from . import io as bio
+    from . import models
+    from .verify import verify_run
+
+    if sample is not None and sample < 1:
+        raise fail(f"--sample must be a positive integer, got {sample}")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    out = Console(quiet=quiet, soft_wrap=True)
+    try:
+        report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device)
+    except (bio.InputError, models.ModelError) as exc:
+        raise fail(str(exc)) from None
+    out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
+              f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
+              f"{len(report.unexplained)} unexplained (tolerance {report.tolerance:g})", highlight=False)
+    if report.mismatches:
+        from rich.table import Table
+
+        table = Table("row", "id", "position", "run token", "reference token", "margin", "class")
+        for m in report.mismatches:
+            table.add_row(str(m.row), m.id, str(m.position), str(m.run_token), str(m.reference_token),
+                          "-" if m.margin is None else f"{m.margin:.3g}", "near-tie" if m.near_tie else "unexplained")
+        out.print(table)
+    if report.unexplained:
+        raise typer.Exit(code=1)
+
+
+@app.command("stats")
+def stats_command(
+    stats_file: Annotated[Path, typer.Argument(help="A .stats.parquet file written by `batchspec generate`.")],
+) -> None:
+    """Summarize a statistics file: group hit rate, acceptance length, realignment share, tokens/s."""
+    from rich.table import Table
+
+    from .stats import summarize
+
+    try:
+        summaries = summarize(stats_file)
+    except (OSError, KeyError) as exc:
+        raise fail(f"{stats_file}: not a readable batchspec statistics file ({exc})") from None
+    except Exception as exc:  # pyarrow raises its own error types for corrupt files
+        raise fail(f"{stats_file}: not a readable batchspec statistics file ({str(exc).splitlines()[0]})") from None
+    table = Table(title="acceptance length counts the bonus/correction token; shares are of summed step time")
+    table.add_column("", no_wrap=True)
+    for header in ("steps", "hit rate", "acc. len", "realign+ gather", "tokens", "tok/s", "KV moved", "KV gathered"):
+        table.add_column(header, justify="right")
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f} %"  # noqa: E731
+    for s in summaries:
+        table.add_row(s.label, str(s.steps), pct(s.hit_rate),
+                      "-" if s.acceptance_length is None else f"{s.acceptance_length:.2f}", pct(s.realign_share),
+                      str(s.tokens), f"{s.tokens_per_s:.1f}", str(s.kv_moved), str(s.kv_gathered))
+    Console(width=max(100, Console().width)).print(table)
+
+
+@app.command()
+def bucket(
+    input: Annotated[Path, typer.Argument(help="Prompts: .jsonl or .parquet file.")],
+    directory: Annotated[Path, typer.Argument(help="Bucket directory to write.")],
+    target: TargetOpt = None,
+    prompt_column: Annotated[str, typer.Option("--prompt-column")] = "prompt",
+    id_column: Annotated[str, typer.Option("--id-column")] = "id",
+    chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
+    system: Annotated[Optional[str], typer.Option("--system")] = None,
+    bucket_width: Annotated[Optional[int], typer.Option("--bucket-width")] = None,
+    min_rows: Annotated[int, typer.Option("--min-rows", help="Merge sparse lengths until a bucket has this many "
+                                                            "rows (typically the batch size).")] = 8,
+    limit: Annotated[Optional[int], typer.Option()] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
+    from buckets import BucketError, build_buckets
+
+    from . import io as bio
+    from . import models
+    from .runner import GenerateConfig, tokenizer_settings
+
+    if bucket_width is not None and bucket_width < 1:
+        raise fail(f"--bucket-width must be positive, got {bucket_width}")
+    try:
+        inp = bio.read_input(input, prompt_column, id_column, limit)
+        tokenizer, name = models.load_tokenizer(target, quiet=True)
+        ids = [bio.render_prompt(tokenizer, p, chat, system) for p in inp.prompts]
+        cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
+                             id_column=id_column, chat=chat, system=system)
+        manifest = build_buckets(directory, inp.table, ids, tokenizer_settings(cfg, name), width=bucket_width,
+                                 min_rows=min_rows, overwrite=overwrite)
+    except (bio.InputError, models.ModelError, BucketError) as exc:
+        raise fail(str(exc)) from None
+    Console(quiet=quiet, soft_wrap=True).print(f"wrote {manifest.total_rows} rows in {len(manifest.buckets)} buckets to {directory}",
+                               highlight=False)

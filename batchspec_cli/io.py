@@ -120,7 +120,7 @@ def read_input(
             )
 
     prompts = [
-        _parse_prompt(value, path, where[i], prompt_column)
+        parse_prompt(value, path, where[i], prompt_column)
         for i, value in enumerate(column_values(prompt_column))
     ]
     if id_column in names:
@@ -239,7 +239,8 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def _parse_prompt(value: Any, path: Path, where: str, column: str) -> Prompt:
+def parse_prompt(value: Any, path: Path, where: str, column: str) -> Prompt:
+    """One prompt cell as a string or chat messages; InputError naming the row and column."""
     at = f"{path}: {where}: column '{column}'"
     if value is None or (isinstance(value, float) and math.isnan(value)):
         raise InputError(f"{at} is null")

@@ -82,7 +82,7 @@ class LoadedModel:
 def resolve_device(device: str) -> torch.device:
     """"auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N"."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device == "cpu":
         return torch.device("cpu")
     match = re.fullmatch(r"cuda(?::(\d+))?", device)
@@ -189,7 +189,7 @@ def _resolve(spec: str | None, quiet: bool) -> tuple[str, Path]:
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ModelError(f"model path '{spec}' is a file but not a .gguf file; give a model directory or a GGUF file")
+            raise ModelError(f"model path '{spec}' is a file but not a .gguf file; give a directory or a GGUF file")
         return spec, _converted_gguf(path.resolve(), cache_dir() / f"gguf-{_gguf_key(path)}", quiet)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -401,7 +401,7 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
     Accepts a model or just its config (to refuse before reading the weights).
     """
     config = model if isinstance(model, PreTrainedConfig) else model.config
-    label = name or getattr(config, "_name_or_path", "") or config.model_type
+    label = name or getattr(model, "name_or_path", "") or config.model_type
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model '{label}' is an encoder-decoder model; batchspec needs a decoder-only causal LM")
     text = config.get_text_config(decoder=True)
@@ -427,7 +427,7 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
         inferred = {"full_attention"}
     if inferred - {"full_attention"}:
         kinds = ", ".join(sorted(inferred - {"full_attention"}))
-        raise ModelError(f"model '{label}' has {kinds} cache layers; batchspec can only realign full-attention KV caches")
+        raise ModelError(f"model '{label}' has {kinds} cache layers; batchspec can only realign full-attention ones")
 
 
 def check_vocab(

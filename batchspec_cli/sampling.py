@@ -171,7 +171,7 @@ def speculative_accept(
     at = n_accepted[:, None, None].expand(-1, 1, vocab)  # [B, 1, V]
     p_n = p.gather(1, at).squeeze(1).to(torch.float64)  # [B, V]
     q_n = q.gather(1, at.clamp(max=k - 1)).squeeze(1).to(torch.float64)  # [B, V]
-    pass  # bonus position: no draft to subtract
+    q_n = q_n * (n_accepted < k)[:, None]  # bonus position: no draft to subtract
     residual = (p_n - q_n).clamp(min=0.0)  # [B, V]
     p_like_q = residual.sum(-1, keepdim=True) <= RESIDUAL_EPS  # [B, 1]
     dist = torch.where(p_like_q, p_n, residual)

@@ -73,19 +73,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-train-prompts", type=int, default=100000)
     # model
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--no-pca-init", action="store_true")
     # training
-    p.add_argument("--train-minutes", type=float, default=36.0)
+    p.add_argument("--train-minutes", type=float, default=38.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--tokens-per-step", type=int, default=3072, help="padded tokens per optimizer step")
     p.add_argument("--hard-weight", type=float, default=0.5)
     p.add_argument("--train-vocab", choices=["auto", "full", "subset"], default="auto",
                    help="softmax over the vocabulary seen in the data (faster) or the full vocabulary")
+    p.add_argument("--subset-topk", type=int, default=8,
+                   help="the training softmax covers input tokens plus the target's top-N at every position")
     p.add_argument("--eval-every-min", type=float, default=6.0)
     return p.parse_args()
 
@@ -351,11 +353,11 @@ def evaluate(draft, ex, k=5, weight=None):
     return acc, statistics.mean(chains) if chains else 0.0
 
 
-def train(draft, train_ex, held_ex, args, log_every=20):
+def train(draft, train_ex, val_ex, held_ex, args, log_every=20):
     V = draft.config.vocab_size
     seen = torch.zeros(V, dtype=torch.bool)
     for e in train_ex:
-        seen[e["top_ids"].flatten()] = True
+        seen[e["top_ids"][:, : args.subset_topk].flatten()] = True
         seen[e["inp"]] = True
     n_seen = int(seen.sum())
     use_subset = args.train_vocab == "subset" or (args.train_vocab == "auto" and n_seen < 0.6 * V)
@@ -372,9 +374,11 @@ def train(draft, train_ex, held_ex, args, log_every=20):
     step, epoch, tokens = 0, 0, 0
     hist = []
     draft.train()
+    vacc, _ = evaluate(draft, val_ex)
     acc, al = evaluate(draft, held_ex)
-    log(f"eval before training: held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
-    evals = [(0.0, 0, acc)]
+    log(f"eval before training: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+    evals = [(0.0, 0, vacc, acc)]
+    best = (vacc, 0, {k: v.detach().clone() for k, v in draft.state_dict().items()})
     done = False
     while not done:
         epoch += 1
@@ -404,17 +408,25 @@ def train(draft, train_ex, held_ex, args, log_every=20):
             opt.step()
             step += 1
             tokens += int(len(rows))
-            hist.append((float(soft.mean()), float((logq.argmax(-1) == tsub[:, 0]).float().mean())))
+            hist.append((float(soft.detach().mean()), float((logq.detach().argmax(-1) == tsub[:, 0]).float().mean())))
             if step % log_every == 0:
                 s = hist[-log_every:]
                 log(f"ep {epoch} step {step} lr {lr:.2e} soft-CE {sum(x[0] for x in s) / len(s):.3f} "
                     f"train-agree {sum(x[1] for x in s) / len(s):.1%} tokens {tokens} "
                     f"({tokens / (time.time() - t0):.0f} tok/s)")
             if time.time() - last_eval > args.eval_every_min * 60:
+                vacc, _ = evaluate(draft, val_ex)
                 acc, al = evaluate(draft, held_ex)
-                evals.append(((time.time() - t0) / 60, step, acc))
-                log(f"eval: held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+                evals.append(((time.time() - t0) / 60, step, vacc, acc))
+                log(f"eval: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+                if vacc >= best[0]:
+                    best = (vacc, step, {k: v.detach().clone() for k, v in draft.state_dict().items()})
                 last_eval = time.time()
+    vacc, _ = evaluate(draft, val_ex)
+    log(f"end of training: step {step}, val {vacc:.1%} (best earlier: {best[0]:.1%} at step {best[1]})")
+    if vacc < best[0]:
+        draft.load_state_dict(best[2])
+        log(f"restored the checkpoint of step {best[1]} (selected on the validation split, not the held-out set)")
     info = {"steps": step, "epochs": epoch, "train_tokens_seen": tokens, "train_minutes": (time.time() - t0) / 60,
             "softmax_vocab": len(sub), "evals": evals}
     return info, seen
@@ -513,8 +525,10 @@ def main():
         return
 
     draft = make_draft(args, target)
-    train_ex, held_ex = build_examples(recs), build_examples(held)
-    info, seen = train(draft, train_ex, held_ex, args)
+    n_val = max(1, min(24, len(recs) // 10))  # validation split of the training prompts: checkpoint choice
+    train_ex, val_ex, held_ex = build_examples(recs[:-n_val]), build_examples(recs[-n_val:]), build_examples(held)
+    log(f"{len(train_ex)} training sequences, {len(val_ex)} validation sequences")
+    info, seen = train(draft, train_ex, val_ex, held_ex, args)
     fix_unseen_rows(draft, train_ex, seen)
     a_mem, _ = evaluate(draft, held_ex)
     log(f"final (fp32, in memory): held-out greedy acceptance {a_mem:.2%}")

@@ -4,7 +4,7 @@ The central test is statistical: a toy draft and target (fixed Markov tables ove
 vocabulary of 6, the draft far from the target) decode N independent rows speculatively,
 and the empirical joint distribution of the first committed tokens must be within
 C / sqrt(N) total variation of the target's exact joint distribution, computed by
-enumeration. Two deliberately broken acceptance rules must fail the same check.
+enumeration. Three deliberately broken acceptance rules must fail the same check.
 """
 
 from __future__ import annotations
@@ -113,7 +113,9 @@ def _simulate(rule, target_logits, draft_logits, warp: dict, n_rows: int, k: int
         first_round = n_accepted if first_round is None else first_round
         # 4. commit drafts[:n] + [next_token] to the rows that still need tokens
         active = length < m  # [N]
-        new = torch.cat([drafts, next_token[:, None]], 1).scatter(1, n_accepted[:, None], next_token[:, None])
+        new = torch.cat([drafts, next_token[:, None]], 1).scatter(
+            1, n_accepted[:, None], next_token[:, None]
+        )
         keep = (steps[None] <= n_accepted[:, None]) & active[:, None]  # [N, k+1]
         cols = length.clamp(max=m - 1)[:, None] + steps  # [N, k+1]; inactive rows rewrite
         committed.scatter_(1, cols, torch.where(keep, new, committed.gather(1, cols)))
@@ -207,10 +209,13 @@ def test_speculative_sampling_matches_target_distribution(name):
     counts = torch.bincount(n_accepted, minlength=k + 1)  # [k+1]
     assert bool((counts > N_ROWS // 50).all())  # rejections at every position, and bonuses
 
-    small, large = _oracle(speculative_accept, name, N_ROWS // 16), _oracle(speculative_accept, name, N_ROWS)
+    small, large = (
+        _oracle(speculative_accept, name, N_ROWS // 16),
+        _oracle(speculative_accept, name, N_ROWS),
+    )
     for m, tv, bound in small + large:
         assert tv < bound, (m, tv, bound)
-    for (m, tv_small, bound_small), (_, tv_large, bound_large) in zip(small, large):
+    for (_, tv_small, bound_small), (_, tv_large, bound_large) in zip(small, large, strict=True):
         assert bound_large == pytest.approx(bound_small / 4)  # C / sqrt(N) shrinks with N
         assert tv_large < tv_small  # and so does the error (~4x expected)
 
@@ -259,9 +264,14 @@ def test_keyed_uniform_matches_unsigned_reference():
     for stream in (STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET):
         got = keyed_uniform(keys, positions, stream)
         assert got.dtype == torch.float64 and got.shape == positions.shape
-        expected = [[_py_keyed_uniform(int(key), int(pos), stream) for pos in row] for key, row in zip(keys, positions)]
+        expected = [
+            [_py_keyed_uniform(int(key), int(pos), stream) for pos in row]
+            for key, row in zip(keys, positions, strict=True)
+        ]
         assert got.tolist() == expected
-    assert keyed_uniform(keys[3:4], torch.tensor([[0]]), STREAM_DRAFT).item() == 0.04789629789461136  # pinned
+    assert (
+        keyed_uniform(keys[3:4], torch.tensor([[0]]), STREAM_DRAFT).item() == 0.04789629789461136
+    )  # pinned
 
 
 def test_keyed_uniform_is_deterministic_and_independent_of_batch_composition():
@@ -284,7 +294,9 @@ def test_keyed_uniform_is_uniform_in_unit_interval():
     histogram = torch.histc(u, bins=20, min=0.0, max=1.0)
     chi2 = float(((histogram - u.numel() / 20) ** 2 / (u.numel() / 20)).sum())
     assert chi2 < 43.8  # chi-square with 19 degrees of freedom, 0.1 % level
-    assert float(u.mean()) == pytest.approx(0.5, abs=0.005) and float(u.var()) == pytest.approx(1 / 12, abs=0.002)
+    assert float(u.mean()) == pytest.approx(0.5, abs=0.005) and float(u.var()) == pytest.approx(
+        1 / 12, abs=0.002
+    )
 
 
 def test_keyed_uniform_streams_positions_and_keys_are_uncorrelated():
@@ -366,11 +378,20 @@ def test_warp_probs_matches_hugging_face_warpers():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_warp_probs_accepts_low_precision_logits(dtype):
-    logits = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)  # [B, n, V]
-    probs = warp_probs(logits, torch.tensor([0.0, 1.0, 0.6]), torch.tensor([0, 8, 0]), torch.tensor([1.0, 0.9, 0.8]))
+    logits = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )  # [B, n, V]
+    probs = warp_probs(
+        logits,
+        torch.tensor([0.0, 1.0, 0.6]),
+        torch.tensor([0, 8, 0]),
+        torch.tensor([1.0, 0.9, 0.8]),
+    )
     assert probs.dtype == torch.float64
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, 4, dtype=torch.float64))
-    assert torch.equal(probs[0].argmax(-1), logits[0].argmax(-1)) and bool((probs[0].max(-1).values == 1).all())
+    assert torch.equal(probs[0].argmax(-1), logits[0].argmax(-1)) and bool(
+        (probs[0].max(-1).values == 1).all()
+    )
 
 
 def test_sample_from_matches_probabilities():
@@ -386,10 +407,23 @@ def test_sample_from_matches_probabilities():
 
 def test_sample_from_never_returns_zero_probability_tokens():
     probs = torch.tensor(  # [4, V]: zeros first, in the middle, last; an unnormalised row
-        [[0.0, 0.0, 0.3, 0.7, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0, 0.5, 0.0], [1e-300, 0, 0, 0, 0, 0], [3.0, 0, 5.0, 0, 0, 0]],
+        [
+            [0.0, 0.0, 0.3, 0.7, 0.0, 0.0],
+            [0.5, 0.0, 0.0, 0.0, 0.5, 0.0],
+            [1e-300, 0, 0, 0, 0, 0],
+            [3.0, 0, 5.0, 0, 0, 0],
+        ],
         dtype=torch.float64,
     )
-    edges = [0.0, 2.0**-53, 0.3, 0.5, 0.5 - 2.0**-53, 1.0 - 2.0**-53, 1.0]  # 1.0: out of range, clamped
+    edges = [
+        0.0,
+        2.0**-53,
+        0.3,
+        0.5,
+        0.5 - 2.0**-53,
+        1.0 - 2.0**-53,
+        1.0,
+    ]  # 1.0: out of range, clamped
     for u in edges:
         tokens = sample_from(probs, torch.full((4,), u, dtype=torch.float64))
         assert bool((probs.gather(1, tokens[:, None]) > 0).all()), (u, tokens)
@@ -410,7 +444,9 @@ def test_sample_from_falls_back_to_argmax_on_zero_rows_and_keeps_leading_dims():
 # --- acceptance -------------------------------------------------------------------------
 
 
-def _random_round(batch: int, k: int, vocab: int, temperature, top_k, top_p, seed: int, noise: float):
+def _random_round(
+    batch: int, k: int, vocab: int, temperature, top_k, top_p, seed: int, noise: float
+):
     """Draft and target logits for one round, drafts sampled from q with keyed uniforms.
 
     The toy models are position-wise (each drafted position has its own fixed logits), which
@@ -419,7 +455,9 @@ def _random_round(batch: int, k: int, vocab: int, temperature, top_k, top_p, see
     """
     g = torch.Generator().manual_seed(seed)
     target_logits = 2 * torch.randn(batch, k + 1, vocab, generator=g, dtype=torch.float64)
-    draft_logits = target_logits[:, :k] + noise * torch.randn(batch, k, vocab, generator=g, dtype=torch.float64)
+    draft_logits = target_logits[:, :k] + noise * torch.randn(
+        batch, k, vocab, generator=g, dtype=torch.float64
+    )
     settings = (torch.as_tensor(temperature), torch.as_tensor(top_k), torch.as_tensor(top_p))
     q, p = warp_probs(draft_logits, *settings), warp_probs(target_logits, *settings)
     keys = _keys(batch, seed)
@@ -438,9 +476,13 @@ def test_acceptance_boundary_and_residual_by_hand():
     n, token = speculative_accept(drafts, q, p, torch.tensor([[0.399]]), u_target)
     assert (n.item(), token.item()) == (1, 2)  # accepted: the bonus comes from p_2
     for u_target_0 in (0.0, 0.5, 1 - 2.0**-53):  # residual max(0, p - q) = [0, .3, 0]: always 1
-        n, token = speculative_accept(drafts, q, p, torch.tensor([[0.4]]), torch.tensor([[u_target_0, 0.5]]))
+        n, token = speculative_accept(
+            drafts, q, p, torch.tensor([[0.4]]), torch.tensor([[u_target_0, 0.5]])
+        )
         assert (n.item(), token.item()) == (0, 1)
-    n, _ = speculative_accept(torch.tensor([[1]]), q, p, torch.tensor([[0.999]]), u_target)  # p/q = 1.6
+    n, _ = speculative_accept(
+        torch.tensor([[1]]), q, p, torch.tensor([[0.999]]), u_target
+    )  # p/q = 1.6
     assert n.item() == 1
 
 
@@ -449,7 +491,9 @@ def test_draft_equal_to_target_accepts_everything_at_any_temperature(k):
     temperature = torch.tensor([0.0, 0.3, 0.7, 1.0, 1.5, 3.0, 1.0, 0.8] * 8)
     top_k = torch.tensor([0, 0, 5, 0, 10, 0, 3, 0] * 8)
     top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 0.5] * 8)
-    drafts, q, p, u_accept, u_target, _ = _random_round(64, k, 20, temperature, top_k, top_p, seed=5, noise=0.0)
+    drafts, q, p, u_accept, u_target, _ = _random_round(
+        64, k, 20, temperature, top_k, top_p, seed=5, noise=0.0
+    )
     p[:, :k] = q  # the same warping of the same logits: identical already, assert it anyway
     n, token = speculative_accept(drafts, q, p, u_accept, u_target)
     assert bool((n == k).all())
@@ -468,14 +512,23 @@ def test_greedy_rows_reduce_to_greedy_accept():
     n_ref, token_ref = greedy_accept(drafts, target_logits.argmax(-1))
     assert torch.equal(n[greedy], n_ref[greedy]) and torch.equal(token[greedy], token_ref[greedy])
     assert len(set(n[greedy].tolist())) >= 3  # corrections at several positions, not one case
-    for u_a, u_t in [(0.0, 0.0), (1 - 2.0**-53, 1 - 2.0**-53)]:  # uniforms are irrelevant to greedy rows
-        n_u, token_u = speculative_accept(drafts, q, p, torch.full_like(u_accept, u_a), torch.full_like(u_target, u_t))
-        assert torch.equal(n_u[greedy], n_ref[greedy]) and torch.equal(token_u[greedy], token_ref[greedy])
+    for u_a, u_t in [
+        (0.0, 0.0),
+        (1 - 2.0**-53, 1 - 2.0**-53),
+    ]:  # uniforms are irrelevant to greedy rows
+        n_u, token_u = speculative_accept(
+            drafts, q, p, torch.full_like(u_accept, u_a), torch.full_like(u_target, u_t)
+        )
+        assert torch.equal(n_u[greedy], n_ref[greedy]) and torch.equal(
+            token_u[greedy], token_ref[greedy]
+        )
 
 
 def test_greedy_accept_by_hand():
     drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [7, 2, 3]])  # [B, k]
-    target_argmax = torch.tensor([[1, 2, 3, 9], [1, 5, 3, 9], [1, 2, 4, 9], [1, 2, 3, 9]])  # [B, k+1]
+    target_argmax = torch.tensor(
+        [[1, 2, 3, 9], [1, 5, 3, 9], [1, 2, 4, 9], [1, 2, 3, 9]]
+    )  # [B, k+1]
     n, token = greedy_accept(drafts, target_argmax)
     assert n.tolist() == [3, 1, 2, 0]  # a later match after a mismatch does not count
     assert token.tolist() == [9, 5, 4, 1]  # bonus, then corrections
@@ -500,7 +553,9 @@ def test_residual_without_mass_samples_from_target():
 
 def test_speculative_accept_is_independent_of_batch_composition():
     temperature = torch.linspace(0.0, 2.0, 32)
-    args = _random_round(32, 3, 10, temperature, torch.zeros(32, dtype=torch.int64), torch.ones(32), 2, 1.5)[:5]
+    args = _random_round(
+        32, 3, 10, temperature, torch.zeros(32, dtype=torch.int64), torch.ones(32), 2, 1.5
+    )[:5]
     n, token = speculative_accept(*args)
     perm = torch.randperm(32, generator=torch.Generator().manual_seed(0))
     n_perm, token_perm = speculative_accept(*(a[perm] for a in args))

@@ -1,0 +1,124 @@
+"""Audit a finished run: re-decode rows one at a time with plain greedy decoding.
+
+The reference is Hugging Face ``generate(do_sample=False)`` on one prompt, batch 1, no
+padding — no engine code. For each mismatch we report the first differing position
+and, there, the reference's logit for its own token minus its logit for the token the
+run chose (the *margin*). A margin below the tolerance is a float near-tie (DESIGN §5);
+anything else is *unexplained*.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import io as bio
+from . import models
+
+DEFAULT_TOLERANCE = 1e-3
+
+
+@dataclass
+class Mismatch:
+    row: int
+    id: str
+    position: int  # first differing completion position
+    run_token: int | None  # None: the run stopped here
+    reference_token: int | None  # None: the reference stopped here
+    margin: float | None  # reference logit(own) - logit(run's token); None when not defined
+    near_tie: bool
+
+
+@dataclass
+class VerifyReport:
+    checked: int
+    exact: int
+    skipped: int  # error rows
+    tolerance: float
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def unexplained(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if not m.near_tie]
+
+    @property
+    def exact_rate(self) -> float:
+        return self.exact / self.checked if self.checked else 1.0
+
+
+def _model_spec(meta: dict, key: str) -> str | None:
+    name, source = meta.get(key), meta.get(f"{key}_source")
+    if name is None or str(name).startswith("default:"):
+        return None
+    if source and Path(source).exists():
+        return source
+    return name
+
+
+def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
+               device: str = "auto", dtype: str | None = None, progress=None) -> VerifyReport:
+    """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
+    meta = bio.read_run_metadata(path)
+    if float(meta.get("temperature") or 0.0) > 0:
+        raise bio.InputError(f"{path}: the run sampled (temperature {meta['temperature']}); verify checks greedy runs")
+    table = bio.read_completions(path)
+    loaded = models.load_model(_model_spec(meta, "target"), dtype or meta.get("dtype", "auto"), device, quiet=True)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
+    rows = table.to_pylist()
+    candidates = [i for i, r in enumerate(rows) if r["finish_reason"] != "error"]
+    skipped = len(rows) - len(candidates)
+    if sample is not None and sample < len(candidates):
+        candidates = sorted(random.Random(seed).sample(candidates, sample))
+    prompt_column = meta.get("prompt_column", "prompt")
+    if prompt_column not in table.column_names:
+        raise bio.InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
+    report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance)
+    for i in candidates:
+        r = rows[i]
+        prompt = bio.parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
+        prompt_ids = bio.render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
+        run = list(r["completion_token_ids"])
+        ref, logits = _greedy(model, prompt_ids, int(meta["max_new_tokens"]), eos)
+        report.checked += 1
+        mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance)
+        if mismatch is None:
+            report.exact += 1
+        else:
+            report.mismatches.append(mismatch)
+        if progress is not None:
+            progress()
+    return report
+
+
+@torch.no_grad()
+def _greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    input_ids = torch.tensor([prompt_ids], device=model.device)
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                         return_dict_in_generate=True, output_logits=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    for j, t in enumerate(tokens):
+        if t in eos:
+            tokens = tokens[: j + 1]
+            break
+    return tokens, [step[0] for step in out.logits]
+
+
+def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,
+             tolerance: float) -> Mismatch | None:
+    if finish_reason == "stop_string" and ref[: len(run)] == run:
+        return None  # the run cut at a stop string; the reference does not know about stop strings
+    if run == ref:
+        return None
+    j = next((j for j, (a, b) in enumerate(zip(run, ref)) if a != b), min(len(run), len(ref)))
+    run_tok = run[j] if j < len(run) else None
+    ref_tok = ref[j] if j < len(ref) else None
+    margin = None
+    if run_tok is not None and ref_tok is not None and j < len(logits):
+        step = logits[j].float()
+        margin = float(step[ref_tok] - step[run_tok])
+    return Mismatch(row, row_id, j, run_tok, ref_tok, margin, near_tie=margin is not None and margin < tolerance)

@@ -1,0 +1,179 @@
+"""Oracle tests of the engine: every mode == per-prompt greedy decoding, exactly (float64)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+from batchspec_cli.events import Request, RowResult, StepStats
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+
+torch.set_num_threads(1)
+MAX_NEW = 13  # not a multiple of k + 1 for most k: max_new_tokens lands inside a round
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafts(target):
+    return {
+        "self": target,  # everything accepted
+        "random": make_tiny_llama(TINY_VOCAB_SIZE, seed=7, layers=1),  # almost nothing accepted
+        "perturbed": perturbed_copy(target, scale=0.01, seed=1),  # mixed: the hard case
+    }
+
+
+def ragged_prompts(n: int, seed: int, lo: int = 1, hi: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, TINY_VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return ragged_prompts(20, seed=3)
+
+
+@pytest.fixture(scope="module")
+def eos_ids(target, prompts):
+    """EOS set: the real EOS id plus the token the target emits most, so rows stop mid-round."""
+    counts = Counter(t for p in prompts for t in greedy_reference(target, p, MAX_NEW, [])[1:])
+    return [1, counts.most_common(1)[0][0]]
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts, eos_ids):
+    return [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
+
+
+def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, window=None, max_new=MAX_NEW,
+               pad_to=None):
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size)
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
+                    eos_ids, cfg)
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, pad_to=(pad_to or [0] * len(prompts))[i])
+                for i, p in enumerate(prompts)]
+    results, stats = {}, []
+    for event in engine.run(requests):
+        if isinstance(event, RowResult):
+            assert event.row not in results, "a row finished twice"
+            results[event.row] = event
+        else:
+            stats.append(event)
+    assert sorted(results) == list(range(len(prompts))), "every row appears exactly once"
+    return results, stats
+
+
+def assert_equal_to_reference(results, references):
+    for row, ref in enumerate(references):
+        assert results[row].token_ids == ref, f"row {row} differs from per-prompt greedy decoding"
+
+
+def assert_stats_consistent(results, stats):
+    spec = [s for s in stats if s.group_kind != "prefill"]
+    assert sum(sum(s.accepted) for s in spec) == sum(r.accepted_tokens for r in results.values())
+    assert sum(s.tokens_emitted for s in spec) == sum(len(r.token_ids) for r in results.values())
+    assert sum(s.batch_size for s in spec) == sum(r.rounds for r in results.values())
+    for s in spec:
+        assert len(s.accepted) == s.batch_size and all(0 <= a <= s.k for a in s.accepted)
+
+
+def test_ar_equals_greedy(target, prompts, eos_ids, references):
+    for batch_size in (1, 3, 16):
+        results, stats = run_engine(target, None, prompts, eos_ids, mode="ar", batch_size=batch_size)
+        assert_equal_to_reference(results, references)
+        assert_stats_consistent(results, stats)
+    reasons = Counter(r.finish_reason for r in results.values())
+    assert reasons["stop"] and reasons["length"], reasons
+
+
+# A covering subset of (mode, batch size, k, draft): every batch size 1..16 and k 1..8 appear.
+MATRIX = [
+    ("eqspec", 1, 1, "perturbed"), ("eqspec", 2, 8, "random"), ("eqspec", 3, 2, "self"), ("eqspec", 4, 5, "perturbed"),
+    ("eqspec", 5, 3, "random"), ("eqspec", 6, 7, "perturbed"), ("eqspec", 7, 4, "self"), ("eqspec", 8, 6, "perturbed"),
+    ("eqspec", 11, 3, "perturbed"), ("eqspec", 16, 8, "perturbed"), ("eqspec", 13, 1, "random"),
+    ("exspec", 1, 3, "perturbed"), ("exspec", 2, 5, "self"), ("exspec", 4, 2, "perturbed"), ("exspec", 8, 4, "random"),
+    ("exspec", 9, 6, "perturbed"), ("exspec", 10, 7, "self"), ("exspec", 12, 8, "perturbed"),
+    ("exspec", 14, 1, "perturbed"), ("exspec", 15, 5, "random"), ("exspec", 16, 3, "perturbed"),
+]
+
+
+@pytest.mark.parametrize("mode,batch_size,k,draft_name", MATRIX)
+def test_speculative_equals_greedy(target, drafts, prompts, eos_ids, references, mode, batch_size, k, draft_name):
+    window = {1: 3, 4: 8, 8: 12}.get(batch_size)  # several pool sizes, including tight ones
+    results, stats = run_engine(target, drafts[draft_name], prompts, eos_ids, mode=mode, k=k, batch_size=batch_size,
+                                window=window)
+    assert_equal_to_reference(results, references)
+    assert_stats_consistent(results, stats)
+
+
+def test_draft_equal_to_target_accepts_everything(target, prompts):
+    k = 3
+    results, stats = run_engine(target, target, prompts, [], mode="eqspec", k=k, batch_size=8, max_new=3 * (k + 1))
+    for r in results.values():  # no EOS, max_new a multiple of k+1: every round accepts all k
+        assert r.rounds == 3 and r.accepted_tokens == 3 * k and len(r.token_ids) == 3 * (k + 1)
+    assert all(a == k for s in stats if s.group_kind != "prefill" for a in s.accepted)
+
+
+def test_random_draft_accepts_almost_nothing(target, drafts, prompts, eos_ids):
+    results, _ = run_engine(target, drafts["random"], prompts, eos_ids, mode="eqspec", k=4, batch_size=8)
+    drafted = sum(r.drafted_tokens for r in results.values())
+    assert sum(r.accepted_tokens for r in results.values()) < 0.25 * drafted
+
+
+def test_perturbed_draft_gives_mixed_acceptance_within_a_round(target, drafts, prompts, eos_ids):
+    _, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="eqspec", k=4, batch_size=8)
+    mixed = [s for s in stats if s.group_kind != "prefill" and len(set(s.accepted)) > 1]
+    assert len(mixed) >= 3, "rows should accept different counts in the same round"
+    # EQSPEC really moved KV to realign those rows.
+    assert any(s.kv_moved > 0 for s in mixed)
+
+
+def test_exspec_groups_same_length_rows_without_moving_kv(target, drafts, eos_ids):
+    """A realistic run: bucketed prompts padded to the bucket's longest share a padded length."""
+    prompts = ragged_prompts(40, seed=11, lo=8, hi=14)
+    refs = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
+    results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=4,
+                                window=16, pad_to=[14] * len(prompts))
+    assert_equal_to_reference(results, refs)
+    same = [s for s in stats if s.group_kind == "same_length"]
+    assert same and all(s.kv_moved == 0 for s in same)
+    assert len(same) > len([s for s in stats if s.group_kind == "realigned"]), "grouping should mostly hit"
+    assert_stats_consistent(results, stats)
+
+
+def test_exspec_streams_requests_lazily(target, drafts, eos_ids):
+    """The pool pulls prompts as slots free up; it never holds the whole dataset."""
+    prompts = ragged_prompts(48, seed=5)
+    pulled = 0
+
+    def requests():
+        nonlocal pulled
+        for i, p in enumerate(prompts):
+            pulled += 1
+            yield Request(row=i, id=str(i), prompt_ids=p, max_new_tokens=6)
+
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["perturbed"], "cache"), eos_ids,
+                    EngineConfig(mode="exspec", k=2, batch_size=4, window=8))
+    pulled_at_first_result = None
+    done = 0
+    for event in engine.run(requests()):
+        if isinstance(event, RowResult):
+            done += 1
+            if pulled_at_first_result is None:
+                pulled_at_first_result = pulled
+    assert done == len(prompts)
+    assert pulled_at_first_result <= 8 + 1
+
+
+def test_prompt_longer_than_context_is_a_row_error(target, eos_ids):
+    prompts = [[5] * 600, [6, 7, 8]]  # the tiny model's context is 512
+    results, _ = run_engine(target, target, prompts, eos_ids, mode="exspec", k=2, batch_size=2)
+    assert results[0].finish_reason == "error" and "context" in results[0].error
+    assert results[1].finish_reason in ("stop", "length") and results[1].token_ids
