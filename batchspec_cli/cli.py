@@ -64,6 +64,11 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k")] = 0,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     seed: Annotated[int, typer.Option()] = 0,
+    temperature_column: Annotated[Optional[str], typer.Option("--temperature-column", help="Per-row temperature "
+                                                               "from this input column.")] = None,
+    seed_column: Annotated[Optional[str], typer.Option("--seed-column", help="Per-row seed column.")] = None,
+    max_new_tokens_column: Annotated[Optional[str], typer.Option("--max-new-tokens-column",
+                                                                  help="Per-row max_new_tokens column.")] = None,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = None,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")] = None,
@@ -80,7 +85,8 @@ def generate(
         batch_size=batch_size, window=window, max_new_tokens=max_new_tokens, prompt_column=prompt_column,
         id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()), dtype=dtype, device=device,
         limit=limit, overwrite=overwrite, quiet=quiet, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, bucket_width=bucket_width, threads=threads)
+        seed=seed, bucket_width=bucket_width, threads=threads, temperature_column=temperature_column,
+        seed_column=seed_column, max_new_tokens_column=max_new_tokens_column)
     out = Console(quiet=quiet, soft_wrap=True)
     try:
         job = Generation.open(cfg)
@@ -148,7 +154,7 @@ def verify(
         report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device)
     except (bio.InputError, models.ModelError) as exc:
         raise fail(str(exc)) from None
-    out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
+    out.print(f"checked {report.checked} rows ({report.skipped} error or sampled rows skipped): {report.exact} exact "
               f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
               f"{len(report.unexplained)} unexplained (tolerance {report.tolerance:g})", highlight=False)
     if report.mismatches:

@@ -59,6 +59,9 @@ class GenerateConfig:
     seed: int = 0
     bucket_width: int | None = None
     threads: int | None = None
+    temperature_column: str | None = None  # per-row overrides read from input columns (null: the flag's value)
+    seed_column: str | None = None
+    max_new_tokens_column: str | None = None
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Generation:
             self.manifest = open_buckets(cfg.input)
         else:
             self.inp = bio.read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
+            self.overrides = row_overrides(self.inp.table, cfg)
 
         # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
         draft_spec = cfg.draft
@@ -186,6 +190,7 @@ class Generation:
             if cfg.limit is not None:
                 table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
             self.inp = bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids)
+            self.overrides = row_overrides(table, cfg)
             self.limit_rows = set(range(len(ids)))
             return
         prompt_ids = [bio.render_prompt(self.tokenizer, p, cfg.chat, cfg.system) for p in self.inp.prompts]
@@ -204,15 +209,18 @@ class Generation:
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
         cfg = self.cfg
-        sampling = Sampling(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+        temperature, seed, max_new = (self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens"))
         for bucket, batch in iter_bucket_rows(self.bucket_dir, self.manifest):
             rows = batch.column("__row").to_pylist()
             ids = batch.column("__prompt_ids").to_pylist()
             for row, prompt in zip(rows, ids):
                 if self.limit_rows is not None and row not in self.limit_rows:
                     continue
-                yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt, max_new_tokens=cfg.max_new_tokens,
-                              sampling=sampling, bucket=bucket.index, pad_to=bucket.hi)
+                sampling = Sampling(temperature=_pick(temperature, row, cfg.temperature), top_k=cfg.top_k,
+                                    top_p=cfg.top_p, seed=_pick(seed, row, cfg.seed))
+                yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
+                              max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
+                              bucket=bucket.index, pad_to=bucket.hi)
 
     def engine(self) -> Engine:
         cfg = self.cfg
@@ -243,7 +251,8 @@ class Generation:
             "draft": self.draft.name if self.draft else None, "draft_source": self.draft.source if self.draft else None,
             "mode": self.mode, "draft_tokens": cfg.k, "batch_size": cfg.batch_size,
             "window": cfg.window or 4 * cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p, "seed": cfg.seed,
+            "temperature": cfg.temperature, "temperature_column": cfg.temperature_column,
+            "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column, "top_k": cfg.top_k, "top_p": cfg.top_p, "seed": cfg.seed,
             "chat": cfg.chat, "system": cfg.system, "stop": list(cfg.stop), "prompt_column": cfg.prompt_column,
             "id_column": cfg.id_column, "dtype": str(self.target.model.dtype).removeprefix("torch."),
             "device": str(self.target.model.device), "eos_token_ids": self.eos_ids, "input": str(cfg.input),
@@ -273,6 +282,45 @@ class Generation:
             "completion_tokens": sum(len(r.token_ids) for r in results), "output": str(self.cfg.output),
             "stats": str(self.stats_path),
         }
+
+
+def _pick(values: list | None, row: int, default):
+    if values is None or values[row] is None:
+        return default
+    return values[row]
+
+
+OVERRIDES = {  # name -> (config attribute naming the column, type, smallest value, flag)
+    "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
+    "seed": ("seed_column", int, None, "--seed-column"),
+    "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
+}
+
+
+def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
+    """Per-row temperature / seed / max_new_tokens from input columns; InputError on a bad cell."""
+    out = {}
+    for name, (attr, kind, smallest, flag) in OVERRIDES.items():
+        column = getattr(cfg, attr)
+        if column is None:
+            continue
+        if column not in table.column_names:
+            raise bio.InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
+        values = []
+        for i, value in enumerate(table.column(column).to_pylist()):
+            if value is None or (isinstance(value, float) and value != value):
+                values.append(None)
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ok and kind is int:
+                ok = float(value).is_integer()
+            if not ok or (smallest is not None and value < smallest):
+                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be a "
+                                     f"{'number' if kind is float else 'integer'}"
+                                     f"{'' if smallest is None else f' >= {smallest:g}'}, got {value!r}")
+            values.append(kind(value))
+        out[name] = values
+    return out
 
 
 class StopStrings:

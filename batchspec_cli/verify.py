@@ -36,7 +36,7 @@ class Mismatch:
 class VerifyReport:
     checked: int
     exact: int
-    skipped: int  # error rows
+    skipped: int  # error rows and sampled rows
     tolerance: float
     mismatches: list[Mismatch] = field(default_factory=list)
 
@@ -62,15 +62,16 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
                device: str = "auto", dtype: str | None = None, progress=None) -> VerifyReport:
     """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
     meta = bio.read_run_metadata(path)
-    if float(meta.get("temperature") or 0.0) > 0:
-        raise bio.InputError(f"{path}: the run sampled (temperature {meta['temperature']}); verify checks greedy runs")
     table = bio.read_completions(path)
     loaded = models.load_model(_model_spec(meta, "target"), dtype or meta.get("dtype", "auto"), device, quiet=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
     rows = table.to_pylist()
-    candidates = [i for i, r in enumerate(rows) if r["finish_reason"] != "error"]
+    candidates = [i for i, r in enumerate(rows)
+                  if r["finish_reason"] != "error" and _row_setting(meta, r, "temperature", 0.0) <= 0]
     skipped = len(rows) - len(candidates)
+    if rows and not candidates:
+        raise bio.InputError(f"{path}: no greedy rows to check (verify re-decodes greedy rows; this run sampled)")
     if sample is not None and sample < len(candidates):
         candidates = sorted(random.Random(seed).sample(candidates, sample))
     prompt_column = meta.get("prompt_column", "prompt")
@@ -82,7 +83,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         prompt = bio.parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
         prompt_ids = bio.render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
         run = list(r["completion_token_ids"])
-        ref, logits = _greedy(model, prompt_ids, int(meta["max_new_tokens"]), eos)
+        ref, logits = _greedy(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos)
         report.checked += 1
         mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance)
         if mismatch is None:
@@ -92,6 +93,15 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         if progress is not None:
             progress()
     return report
+
+
+def _row_setting(meta: dict, row: dict, name: str, default):
+    """A run setting for one row: its per-row column when the run used one, else the run's value."""
+    column = meta.get(f"{name}_column")
+    if column and row.get(column) is not None:
+        return row[column]
+    value = meta.get(name)
+    return default if value is None else value
 
 
 @torch.no_grad()
