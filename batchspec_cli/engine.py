@@ -102,7 +102,10 @@ class Engine:
                     return
                 continue
             slots, kind = self._select()
-            yield from self._round(slots, kind)
+            try:
+                yield from self._round(slots, kind)
+            except torch.OutOfMemoryError:
+                yield from self._out_of_memory(slots)
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
@@ -124,6 +127,7 @@ class Engine:
         self.texts: list[list[int] | None] = [None] * n  # completion ids, kept only with stop strings
         self.live: list[int] = []
         self.step_no = 0
+        self.max_group = self.cfg.batch_size  # halved on out-of-memory
 
     def _caches(self) -> list[tuple[SlotCache, int]]:
         caches = [(self.tcache, 1)]
@@ -162,14 +166,7 @@ class Engine:
         self.top_p[idx] = torch.tensor([r.sampling.top_p for r in chunk], dtype=torch.float64, device=self.device)
         self.live = sorted(self.live + slots)
 
-        sel = selection(slots, self.device)
-        pad = self.layout.pad[sel]
-        with torch.no_grad():
-            for handle, cache, lag in ((self.target, self.tcache, 1), (self.draft, self.dcache, 2)):
-                if cache is None or end - lag <= 0:
-                    continue
-                group_forward(handle.model, cache, handle.cache_kwarg, sel, self.layout.tokens[sel, : end - lag],
-                              pad, 0, logits_to_keep=1)
+        self._prefill(slots, end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
         self.tcache.gathered = 0
@@ -179,6 +176,26 @@ class Engine:
                         k=0, accepted=[], tokens_emitted=0, pad_before=sum(self.pad_host[s] for s in slots),
                         pad_after=sum(self.pad_host[s] for s in slots), kv_moved=0, kv_gathered=0, draft_ms=0.0,
                         verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
+
+    @torch.no_grad()
+    def _prefill(self, slots: list[int], end: int) -> None:
+        """Fill both caches for new rows; on out-of-memory, prefill the halves one after the other."""
+        sel = selection(slots, self.device)
+        pad = self.layout.pad[sel]
+        try:
+            for handle, cache, lag in ((self.target, self.tcache, 1), (self.draft, self.dcache, 2)):
+                if cache is None or end - lag <= 0:
+                    continue
+                group_forward(handle.model, cache, handle.cache_kwarg, sel, self.layout.tokens[sel, : end - lag],
+                              pad, 0, logits_to_keep=1)
+        except torch.OutOfMemoryError:
+            if len(slots) == 1:
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(slots) // 2
+            self._prefill(slots[:half], end)
+            self._prefill(slots[half:], end)
 
     def _next_step(self) -> int:
         self.step_no += 1
@@ -192,8 +209,8 @@ class Engine:
     def _select(self) -> tuple[list[int], str]:
         """Choose the next group (sorted slots) and its kind."""
         if self.cfg.mode != "exspec":
-            return list(self.live), ("ar" if self.cfg.mode == "ar" else "same_length")
-        size = min(self.cfg.batch_size, len(self.live))
+            return self.live[: self.max_group], ("ar" if self.cfg.mode == "ar" else "same_length")
+        size = min(self.max_group, len(self.live))
         by_end = Counter(self.end_host[s] for s in self.live)
         best_end, best_n = max(by_end.items(), key=lambda item: (item[1], -item[0]))
         oldest = min(self.live, key=lambda s: self.last_run[s])
@@ -203,6 +220,25 @@ class Engine:
         # Fallback: the rows closest in padded length to the longest-waiting row.
         group = sorted(self.live, key=lambda s: (abs(self.end_host[s] - self.end_host[oldest]), s))[:size]
         return sorted(group), "realigned"
+
+    def _out_of_memory(self, slots: list[int]) -> Iterator[RowResult]:
+        """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
+
+        No rollback is needed: a forward writes KV only past each row's committed length
+        (``end``), and ``end`` advances only at commit, after every forward succeeded. The
+        half-written entries are overwritten by the retry.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(slots) > 1:
+            self.max_group = max(1, len(slots) // 2)
+            return
+        slot = slots[0]
+        req = self.rows[slot]
+        self.rows[slot], self.texts[slot] = None, None
+        self.live.remove(slot)
+        yield RowResult(req.row, req.id, [], "error", error="out of memory even for this row alone",
+                        prompt_tokens=len(req.prompt_ids))
 
     # ------------------------------------------------------------------ one round
     def _round(self, slots: list[int], kind: str) -> Iterator[RowResult | StepStats]:

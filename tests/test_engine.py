@@ -177,3 +177,35 @@ def test_prompt_longer_than_context_is_a_row_error(target, eos_ids):
     results, _ = run_engine(target, target, prompts, eos_ids, mode="exspec", k=2, batch_size=2)
     assert results[0].finish_reason == "error" and "context" in results[0].error
     assert results[1].finish_reason in ("stop", "length") and results[1].token_ids
+
+
+class _OOMOnce(torch.nn.Module):
+    """Wraps a decoder layer: raises out-of-memory on its n-th call, after earlier layers wrote their KV."""
+
+    def __init__(self, layer, fail_at: int):
+        super().__init__()
+        self.layer, self.calls, self.fail_at = layer, 0, fail_at
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError("injected")
+        return self.layer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mode,which", [("eqspec", "target"), ("exspec", "draft"), ("exspec", "target"),
+                                        ("ar", "target")])
+def test_out_of_memory_mid_forward_halves_the_group_and_loses_nothing(target, drafts, prompts, eos_ids, references,
+                                                                      mode, which):
+    import copy
+
+    victim = copy.deepcopy(target if which == "target" else drafts["perturbed"])
+    victim.model.layers[1] = _OOMOnce(victim.model.layers[1], fail_at=6)  # layer 0 already wrote this step's KV
+    models = {"target": victim, "draft": drafts["perturbed"]} if which == "target" else \
+        {"target": target, "draft": victim}
+    results, stats = run_engine(models["target"], models["draft"] if mode != "ar" else None, prompts, eos_ids,
+                                mode=mode, k=3, batch_size=8)
+    assert victim.model.layers[1].calls > 6, "the fault was injected"
+    assert_equal_to_reference(results, references)
+    steps = [s for s in stats if s.group_kind != "prefill"]
+    assert max(s.batch_size for s in steps[-5:]) <= 4, "the group was halved after the failure"

@@ -1,0 +1,105 @@
+"""Unit tests of the alignment module on hand-built layouts and caches."""
+
+from __future__ import annotations
+
+import torch
+
+from batchspec_cli.align import Layout, SlotCache, attention_inputs, realign, selection
+
+
+def marked_cache(n_slots: int, capacity: int, layers: int = 2) -> SlotCache:
+    """A cache whose entry (slot s, column c, layer l) holds 1000*l + 100*s + c in every head/dim."""
+    cache = SlotCache(n_slots, capacity)
+    for layer in range(layers):
+        marks = torch.tensor([[1000 * layer + 100 * s + c for c in range(capacity)] for s in range(n_slots)],
+                             dtype=torch.float64)
+        keys = marks[:, None, :, None].expand(n_slots, 2, capacity, 3).clone()  # [slots, heads, capacity, dim]
+        cache.keys.append(keys)
+        cache.values.append(-keys)
+    return cache
+
+
+def docstring_example() -> Layout:
+    """The three rows of align.py's docstring after their round (ends 9, 7, 8; pads 2, 0, 3)."""
+    layout = Layout.empty(3, 12, torch.device("cpu"))
+    layout.tokens[:] = torch.arange(12)[None, :] + 100 * torch.arange(3)[:, None]
+    layout.pad[:] = torch.tensor([2, 0, 3])
+    layout.end[:] = torch.tensor([9, 7, 8])
+    return layout
+
+
+def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
+    layout = docstring_example()
+    target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
+    old_tokens = layout.tokens.clone()
+    src = torch.tensor([0, 2])  # row 1 already ends at 7: it does not move
+    moved = realign(layout, [(target, 1), (draft, 2)], src, src, new_end=7)
+    assert layout.end.tolist() == [7, 7, 7]
+    assert layout.pad.tolist() == [0, 0, 2]
+    # Content of each row, right-aligned at column 7, unchanged in order.
+    assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
+    assert layout.tokens[2, 2:7].tolist() == old_tokens[2, 3:8].tolist()
+    assert layout.tokens[1, 0:7].tolist() == old_tokens[1, 0:7].tolist()
+    # Target cache (lag 1) covers columns [0, 6): entry of new column c comes from old column c - shift.
+    for layer in range(2):
+        keys = target.keys[layer][:, 0, :, 0]
+        assert keys[0, 0:6].tolist() == [1000 * layer + 0 + c for c in range(2, 8)]
+        assert keys[2, 2:6].tolist() == [1000 * layer + 200 + c for c in range(3, 7)]
+        assert keys[1, 0:6].tolist() == [1000 * layer + 100 + c for c in range(0, 6)]
+        assert torch.equal(target.values[layer], -target.keys[layer])
+    # Draft cache (lag 2) covers [0, 5).
+    assert draft.keys[0][0, 0, 0:5, 0].tolist() == [2, 3, 4, 5, 6]
+    # Moved = rows x covered columns x layers, over both caches (counted from the index tensors).
+    assert moved == 2 * 6 * 2 + 2 * 5 * 1
+
+
+def test_realign_compacts_rows_into_lower_slots():
+    layout = docstring_example()
+    cache = marked_cache(3, 12, layers=1)
+    src, dst = torch.tensor([2]), torch.tensor([0])  # row 0 finished; row 2 moves into slot 0, same end
+    realign(layout, [(cache, 1)], src, dst, new_end=8)
+    assert layout.end[0] == 8 and layout.pad[0] == 3
+    assert layout.tokens[0, 3:8].tolist() == list(range(203, 208))
+    assert cache.keys[0][0, 0, 3:7, 0].tolist() == [203, 204, 205, 206]
+
+
+def test_realign_of_nothing_moves_nothing():
+    layout = docstring_example()
+    assert realign(layout, [(marked_cache(3, 12), 1)], torch.tensor([], dtype=torch.long),
+                   torch.tensor([], dtype=torch.long), new_end=9) == 0
+
+
+def test_attention_inputs_mask_and_positions():
+    pad = torch.tensor([2, 0])
+    mask, positions = attention_inputs(pad, start=4, n_new=2, dtype=torch.float32)
+    assert mask.shape == (2, 1, 2, 6)
+    allowed = mask[:, 0] == 0
+    # Row 0: keys 2..4 for the first query (column 4), 2..5 for the second.
+    assert allowed[0, 0].tolist() == [False, False, True, True, True, False]
+    assert allowed[0, 1].tolist() == [False, False, True, True, True, True]
+    assert allowed[1, 0].tolist() == [True, True, True, True, True, False]
+    assert mask[~(mask == 0)].eq(torch.finfo(torch.float32).min).all()  # finfo.min, never -inf
+    assert positions.tolist() == [[2, 3], [4, 5]]
+
+
+def test_slot_cache_views_for_contiguous_groups_and_counted_gathers_otherwise():
+    cache = SlotCache(4, 8)
+    new = torch.ones(2, 2, 3, 4)
+    cache.bind(selection([1, 2], torch.device("cpu")), 0)
+    keys, _ = cache.update(new, new, 0)
+    assert keys.shape == (2, 2, 3, 4) and keys._base is not None  # a view, nothing copied
+    assert cache.gathered == 0
+    cache.bind(selection([0, 3], torch.device("cpu")), 3)
+    keys, _ = cache.update(new, new, 0)
+    assert keys.shape == (2, 2, 6, 4)
+    assert cache.gathered == 2 * 6  # rows x columns read through an index
+    assert cache.keys[0][3, :, 3:6].eq(1).all() and cache.keys[0][3, :, :3].eq(0).all()
+
+
+def test_slot_cache_grows_when_a_row_runs_past_capacity():
+    cache = SlotCache(2, 4)
+    cache.bind(slice(0, 2), 0)
+    cache.update(torch.full((2, 1, 4, 2), 7.0), torch.zeros(2, 1, 4, 2), 0)
+    cache.bind(slice(0, 2), 4)
+    keys, _ = cache.update(torch.full((2, 1, 3, 2), 9.0), torch.zeros(2, 1, 3, 2), 0)
+    assert cache.capacity >= 7 and keys[:, :, :4].eq(7).all() and keys[:, :, 4:7].eq(9).all()
