@@ -1,0 +1,247 @@
+"""Side-by-side benchmark of ar / eqspec / exspec on Spec-Bench prompts, in one process.
+
+    python benchmarks/bench.py --prompts 24 --batch-sizes 1 4 8 16 --max-new-tokens 128
+
+For every batch size every mode decodes the same prompts (Spec-Bench ``turns[0]`` with the
+chat template); the script checks that the completions are identical across modes and
+reports tokens/s, the ratio to ``ar`` at the same batch size, the mean acceptance length
+(tokens per row per round, *counting* the correction/bonus token), the group hit rate and
+the realignment + gather share of step time.
+
+The *ideal* speed-up ``E / (k*c + v)`` uses ``E = (1 - a^(k+1)) / (1 - a)`` with ``a`` the
+per-token acceptance solved from the measured accepted drafts per round, and ``c`` / ``v``
+the draft step and k+1-token verify forward costs in target-step units, measured by
+separate benchmarks of the bare model forwards at that batch size (not the engine's
+timers). A table for people, then one JSON line for machines; a PNG plot next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from batchspec_cli import models  # noqa: E402
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
+from batchspec_cli.io import render_prompt  # noqa: E402
+from buckets import plan_buckets  # noqa: E402
+
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def spec_bench_prompts(path: Path, n: int) -> list[str]:
+    """n prompts spread evenly over the six Spec-Bench groups (MT-bench's categories count as one)."""
+    groups = defaultdict(list)
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        groups["mt_bench" if row["category"] in MT_BENCH else row["category"]].append(row["turns"][0])
+    names = sorted(groups)
+    picked = []
+    for i in range(n):
+        group = groups[names[i % len(names)]]
+        picked.append(group[(i // len(names)) * 7 % len(group)])
+    return picked
+
+
+def requests(prompt_ids: list[list[int]], max_new: int) -> list[Request]:
+    """Bucketed order and padding, as `batchspec generate` does."""
+    ranges = plan_buckets([len(p) for p in prompt_ids], None, min_rows=8)
+    out = []
+    for b, (lo, hi) in enumerate(ranges):
+        rows = sorted((len(p), i) for i, p in enumerate(prompt_ids) if lo <= len(p) <= hi)
+        out += [Request(row=i, id=str(i), prompt_ids=prompt_ids[i], max_new_tokens=max_new, bucket=b, pad_to=hi)
+                for _, i in rows]
+    return out
+
+
+def run_mode(target, draft, eos, reqs, mode, k, batch_size):
+    engine = Engine(target, draft if mode != "ar" else None, eos,
+                    EngineConfig(mode=mode, k=k, batch_size=batch_size, window=4 * batch_size))
+    results, stats = {}, []
+    started = time.perf_counter()
+    for event in engine.run(reqs):
+        (stats.append if isinstance(event, StepStats) else lambda e: results.__setitem__(e.row, e))(event)
+    wall = time.perf_counter() - started
+    return results, stats, wall
+
+
+@torch.no_grad()
+def forward_ms(model, kwarg: str, batch: int, context: int, new_tokens: int, repeats: int = 5) -> float:
+    """Median time of one bare forward of ``new_tokens`` tokens on a ``context``-token KV cache."""
+    ids = torch.randint(100, 1000, (batch, context), device=model.device)
+    times = []
+    for _ in range(repeats + 1):
+        cache = DynamicCache()
+        model(input_ids=ids, use_cache=True, **{kwarg: cache})
+        step = torch.randint(100, 1000, (batch, new_tokens), device=model.device)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(input_ids=step, use_cache=True, **{kwarg: cache})
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times[1:])[len(times[1:]) // 2] * 1e3
+
+
+def solve_alpha(mean_accepted: float, k: int) -> float:
+    """Per-token acceptance a with a(1 - a^k)/(1 - a) = mean accepted drafts per round."""
+    lo, hi = 0.0, 0.999999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value = mid * (1 - mid ** k) / (1 - mid)
+        lo, hi = (mid, hi) if value < mean_accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+def summarize(results, stats, wall, k):
+    tokens = sum(len(r.token_ids) for r in results.values())
+    rounds = [s for s in stats if s.group_kind in ("same_length", "realigned", "ar")]
+    row_rounds = sum(s.batch_size for s in rounds)
+    accepted = sum(sum(s.accepted) for s in rounds)
+    spec = [s for s in rounds if s.group_kind != "ar"]
+    total_ms = sum(s.total_ms for s in stats)
+    decode_ms = sum(s.total_ms for s in stats if s.group_kind != "prefill")
+    return {
+        "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+        "decode_tokens_per_s": tokens / (decode_ms / 1e3),
+        "acceptance_length": (sum(s.tokens_emitted for s in rounds) / row_rounds) if spec else 1.0,
+        "accepted_per_round": accepted / row_rounds if spec else 0.0,
+        "hit_rate": (sum(s.group_kind == "same_length" for s in spec) / len(spec)) if spec else None,
+        "realign_gather_share": sum(s.realign_ms + s.gather_ms for s in stats) / total_ms if total_ms else 0.0,
+        "kv_moved": sum(s.kv_moved for s in stats), "kv_gathered": sum(s.kv_gathered for s in stats),
+    }
+
+
+def plot(rows, path: Path, batch_sizes):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode in ("ar", "eqspec", "exspec"):
+        xs = [r["batch_size"] for r in rows if r["mode"] == mode]
+        left.plot(xs, [r["tokens_per_s"] for r in rows if r["mode"] == mode], marker="o", label=mode)
+    left.set(xlabel="batch size", ylabel="tokens/s", title="throughput", xticks=batch_sizes)
+    left.legend()
+    labels, draft, verify, realign, other = [], [], [], [], []
+    for r in rows:
+        if r["mode"] == "ar":
+            continue
+        labels.append(f"{r['mode'][:2]}{r['batch_size']}")
+        t = r["step_ms"]
+        draft.append(t["draft"]), verify.append(t["verify"]), realign.append(t["realign_gather"])
+        other.append(max(0.0, t["total"] - t["draft"] - t["verify"] - t["realign_gather"]))
+    bottom = [0.0] * len(labels)
+    for name, values in (("draft", draft), ("verify", verify), ("realign+gather", realign), ("other", other)):
+        right.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    right.set(ylabel="ms (summed over steps)", title="step-time breakdown")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--modes", nargs="+", default=["ar", "eqspec", "exspec"])
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("-k", "--draft-tokens", type=int, default=5)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--draft", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench.json")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    draft_spec = args.draft or (str(models.default_draft_path()) if args.target is None and
+                                models.default_draft_path() else None)
+    if draft_spec is None:
+        sys.exit("no draft: pass --draft (the default target's shipped draft is missing)")
+    tgt = models.load_model(args.target, args.dtype, args.device, quiet=True)
+    drf = models.load_model(draft_spec, args.dtype, args.device, quiet=True)
+    drf.model.to(tgt.model.dtype)
+    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
+    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
+    eos = models.eos_ids(tgt.model, tgt.tokenizer)
+    prompt_ids = [render_prompt(tgt.tokenizer, p, True, None) for p in spec_bench_prompts(SPEC_BENCH, args.prompts)]
+    reqs = requests(prompt_ids, args.max_new_tokens)
+    k = args.draft_tokens
+    context = sum(map(len, prompt_ids)) // len(prompt_ids) + args.max_new_tokens // 2
+
+    # Warm up both models once.
+    run_mode(target, draft, eos, reqs[:2], "eqspec", k, 2)
+
+    rows, mismatches = [], {}
+    for batch_size in args.batch_sizes:
+        t_step = forward_ms(tgt.model, target.cache_kwarg, batch_size, context, 1)
+        c = forward_ms(drf.model, draft.cache_kwarg, batch_size, context, 1) / t_step
+        v = forward_ms(tgt.model, target.cache_kwarg, batch_size, context, k + 1) / t_step
+        outputs = {}
+        for mode in args.modes:
+            results, stats, wall = run_mode(target, draft, eos, reqs, mode, k, batch_size)
+            outputs[mode] = {row: r.token_ids for row, r in results.items()}
+            row = {"mode": mode, "batch_size": batch_size, "k": k if mode != "ar" else 0,
+                   **summarize(results, stats, wall, k)}
+            row["step_ms"] = {"draft": sum(s.draft_ms for s in stats), "verify": sum(s.verify_ms for s in stats),
+                              "realign_gather": sum(s.realign_ms + s.gather_ms for s in stats),
+                              "total": sum(s.total_ms for s in stats)}
+            if mode != "ar":
+                alpha = solve_alpha(row["accepted_per_round"], k)
+                expected = (1 - alpha ** (k + 1)) / (1 - alpha)
+                row.update(alpha=alpha, c=c, v=v, ideal_speedup=expected / (k * c + v))
+            rows.append(row)
+        base = outputs.get("ar") or outputs[args.modes[0]]
+        mismatches[batch_size] = {m: sum(out[r] != base[r] for r in base) for m, out in outputs.items()}
+        ar = next((r for r in rows if r["mode"] == "ar" and r["batch_size"] == batch_size), None)
+        for r in rows:
+            if r["batch_size"] == batch_size and ar:
+                r["ratio_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
+                r["decode_ratio_vs_ar"] = r["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
+                if "ideal_speedup" in r:  # the ideal models decoding only: compare decode time
+                    r["achieved_of_ideal"] = r["decode_ratio_vs_ar"] / r["ideal_speedup"]
+
+    print(f"Spec-Bench, {args.prompts} prompts, max_new_tokens {args.max_new_tokens}, k {k}, "
+          f"device {tgt.model.device}, threads {torch.get_num_threads()}; acceptance length counts the bonus token; "
+          f"'vs ar' is end to end (prefill included), 'decode' excludes prefill and is what 'of ideal' uses")
+    header = (f"{'mode':8} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
+              f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}")
+    print(header)
+    for r in rows:
+        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
+        print(f"{r['mode']:8} {r['batch_size']:>5} {r['tokens_per_s']:>8.1f} {fmt('ratio_vs_ar', '6.2f'):>6} "
+              f"{fmt('decode_ratio_vs_ar', '6.2f'):>6} {r['acceptance_length']:>7.2f} {fmt('alpha', '6.2f'):>6} {fmt('ideal_speedup', '6.2f'):>6} "
+              f"{fmt('achieved_of_ideal', '8.0%'):>8} {fmt('hit_rate', '6.0%'):>6} "
+              f"{100 * r['realign_gather_share']:>13.1f}%")
+    print("rows differing from ar:", json.dumps(mismatches))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png = plot(rows, args.out.with_suffix(".png"), args.batch_sizes)
+    record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": k,
+              "device": str(tgt.model.device), "threads": torch.get_num_threads(), "rows": rows,
+              "mismatches_vs_ar": mismatches, "plot": str(png) if png else None}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
