@@ -76,29 +76,10 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
         stream = iter(requests)
         self._reset()
-        exhausted = False
         while True:
-            free = [s for s in range(self.n_slots) if self.rows[s] is None]
-            want = len(free) if self.cfg.mode == "exspec" else (self.cfg.batch_size if not self.live else 0)
-            if self.cfg.mode == "exspec" and self.live and len(free) < min(self.cfg.batch_size, self.n_slots):
-                want = 0  # admit in chunks, so that admitted rows form full groups
-            while want > 0 and not exhausted:
-                chunk = []
-                while len(chunk) < min(want, self.cfg.batch_size):
-                    req = next(stream, None)
-                    if req is None:
-                        exhausted = True
-                        break
-                    error = self._check(req)
-                    if error:
-                        yield RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
-                        continue
-                    chunk.append(req)
-                if chunk:
-                    yield from self._admit(chunk, free[: len(chunk)])
-                    free, want = free[len(chunk):], want - len(chunk)
+            yield from self._admit_from(stream)
             if not self.live:
-                if exhausted:
+                if self.exhausted:
                     return
                 continue
             slots, kind = self._select()
@@ -128,6 +109,7 @@ class Engine:
         self.live: list[int] = []
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
+        self.exhausted = False
 
     def _caches(self) -> list[tuple[SlotCache, int]]:
         caches = [(self.tcache, 1)]
@@ -143,10 +125,43 @@ class Engine:
         return None
 
     # ------------------------------------------------------------------ admission
+    def _admit_from(self, stream: Iterator[Request]) -> Iterator[RowResult | StepStats]:
+        """Admit new prompts into free slots, in chunks of at most a batch.
+
+        exspec admits a whole batch at a time (admitted rows form one same-length group);
+        ar and eqspec refill their batch as soon as a quarter of it is free, placing the new
+        rows at the batch's common padded length (continuous batching).
+        """
+        free = [s for s in range(self.n_slots) if self.rows[s] is None]
+        chunk_min = self.cfg.batch_size if self.cfg.mode == "exspec" else max(1, self.cfg.batch_size // 4)
+        if self.live and len(free) < min(chunk_min, self.n_slots):
+            return
+        while free and not self.exhausted:
+            chunk = []
+            while len(chunk) < min(len(free), self.cfg.batch_size):
+                req = next(stream, None)
+                if req is None:
+                    self.exhausted = True
+                    break
+                error = self._check(req)
+                if error:
+                    yield RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+                    continue
+                chunk.append(req)
+            if chunk:
+                yield from self._admit(chunk, free[: len(chunk)])
+                free = free[len(chunk):]
+
     def _admit(self, chunk: list[Request], slots: list[int]) -> Iterator[StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill both caches."""
         started = time.perf_counter()
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
+        moved = 0
+        if self.cfg.mode != "exspec" and self.live:  # join the running batch at its common padded length
+            batch_end = self.end_host[self.live[0]]
+            if end > batch_end:
+                moved = self._realign_group(list(self.live), end, compact=False)
+            end = max(end, batch_end)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.layout.place(idx, [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
         for slot, req in zip(slots, chunk):
@@ -174,7 +189,7 @@ class Engine:
             self.dcache.gathered = 0
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=sum(self.pad_host[s] for s in slots),
-                        pad_after=sum(self.pad_host[s] for s in slots), kv_moved=0, kv_gathered=0, draft_ms=0.0,
+                        pad_after=sum(self.pad_host[s] for s in slots), kv_moved=moved, kv_gathered=0, draft_ms=0.0,
                         verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
 
     @torch.no_grad()
@@ -307,10 +322,8 @@ class Engine:
 
         results = [self._finish(s, reason) for _, s, reason in finished]
         t3 = time.perf_counter()
-        if self.cfg.mode == "eqspec" and self.live:
+        if self.live and (self.cfg.mode == "eqspec" or (self.cfg.mode == "ar" and finished)):
             moved += self._realign_group(list(self.live), None, compact=True)
-        elif self.cfg.mode == "ar" and self.live and finished:
-            moved += self._realign_group(list(self.live), self.end_host[self.live[0]], compact=True)
         self._sync()
         realign_s += time.perf_counter() - t3
         gathered = sum(c.gathered for c, _ in self._caches())
