@@ -305,14 +305,15 @@ class Engine:
         emitted_h, kept_h, code_h = host
         finished = []
         for i, s in enumerate(slots):
-            self.end_host[s] += emitted_h[i]
+            self.end_host[s] += emitted_h[i]  # before any stop-string cut: the layout's end on the device
             self.last_run[s] = self.step_no + 1
             if block_host is not None:
                 ids = self.texts[s]
                 ids.extend(block_host[i][: emitted_h[i]])
                 cut = self.stop_checker(ids, emitted_h[i])
-                if cut is not None:  # the stop string ends within this round's tokens
-                    kept_now = min(kept_h[i], emitted_h[i] - (len(ids) - cut))
+                if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
+                    emitted_h[i] -= len(ids) - cut
+                    kept_now = min(kept_h[i], emitted_h[i])
                     self.accepted[s] -= kept_h[i] - kept_now
                     kept_h[i] = kept_now
                     del ids[cut:]

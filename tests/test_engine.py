@@ -209,3 +209,25 @@ def test_out_of_memory_mid_forward_halves_the_group_and_loses_nothing(target, dr
     assert_equal_to_reference(results, references)
     steps = [s for s in stats if s.group_kind != "prefill"]
     assert max(s.batch_size for s in steps[-5:]) <= 4, "the group was halved after the failure"
+
+
+def test_stop_checker_cuts_inside_a_round_and_stats_stay_consistent(target, drafts, prompts, eos_ids, references):
+    """A stop "string" here: the token pair references[row][2:4], which ends inside the first round (k=4)."""
+    def checker(ids, n_new):
+        for cut in range(max(2, len(ids) - n_new + 1), len(ids) + 1):
+            if any(ref[2:4] == ids[cut - 2:cut] for ref in references if len(ref) >= 5):
+                return cut
+        return None
+
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["self"], "cache"), eos_ids,
+                    EngineConfig(mode="exspec", k=4, batch_size=4), stop_checker=checker)
+    events = list(engine.run(Request(row=i, id=str(i), prompt_ids=p, max_new_tokens=MAX_NEW)
+                             for i, p in enumerate(prompts)))
+    results = {e.row: e for e in events if isinstance(e, RowResult)}
+    stats = [e for e in events if isinstance(e, StepStats)]
+    cut_rows = [r for r in results.values() if r.finish_reason == "stop_string"]
+    assert cut_rows
+    for r in cut_rows:
+        ref = references[r.row]
+        assert r.token_ids == ref[: len(r.token_ids)] and checker(r.token_ids, len(r.token_ids)) == len(r.token_ids)
+    assert_stats_consistent(results, stats)
