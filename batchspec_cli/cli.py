@@ -1,11 +1,18 @@
 """The `batchspec` command line. Thin: parse, validate, call the library, report.
 
 Exit codes: 0 success; 1 `verify` found an unexplained mismatch; 2 bad flags, input or
-models (one-line message, nothing written); 3 the run finished but some rows errored.
+models, or another run holds the output (one-line message, nothing written); 3 the run
+finished but some rows errored; 130 / 143 stopped by SIGINT / SIGTERM (finished rows are
+saved: rerunning the same command resumes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,13 +22,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .events import RowResult, StepStats
-from .runner import GenerateConfig, Generation, Started, UsageError
+from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
 err = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE, EXIT_ROW_ERRORS = 2, 3
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # exit 128 + signal number: 130, 143
 
 
 @app.callback()
@@ -55,6 +63,8 @@ def generate(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 8,
     window: Annotated[Optional[int], typer.Option(help="EXSPEC pool size (default 4 x batch size).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
+    max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
+                                                              "error rows (default: the model's context).")] = None,
     prompt_column: Annotated[str, typer.Option("--prompt-column")] = "prompt",
     id_column: Annotated[str, typer.Option("--id-column")] = "id",
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = True,
@@ -76,52 +86,156 @@ def generate(
     device: DeviceOpt = "auto",
     limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    restart: Annotated[bool, typer.Option("--restart", help="Discard the saved work of an interrupted run of OUT "
+                                                           "instead of resuming it.")] = False,
+    log_json: Annotated[Optional[Path], typer.Option("--log-json", help="Append one JSON line per event (start, "
+                                                      "bucket done, row error, interrupted, finish) to this file.")]
+    = None,
+    checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = 32,
+    checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
     threads: ThreadsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Generate a completion for every prompt of INPUT and write them to OUTPUT."""
+    """Generate a completion for every prompt of INPUT and write them to OUTPUT (resumable: rerun after a crash)."""
     cfg = GenerateConfig(
         input=input, output=output, stats=stats, target=target, draft=draft, mode=mode, k=draft_tokens,
-        batch_size=batch_size, window=window, max_new_tokens=max_new_tokens, prompt_column=prompt_column,
-        id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()), dtype=dtype, device=device,
-        limit=limit, overwrite=overwrite, quiet=quiet, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=seed, bucket_width=bucket_width, threads=threads, temperature_column=temperature_column,
-        seed_column=seed_column, max_new_tokens_column=max_new_tokens_column)
+        batch_size=batch_size, window=window, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+        prompt_column=prompt_column, id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()),
+        dtype=dtype, device=device, limit=limit, overwrite=overwrite, restart=restart, quiet=quiet,
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, bucket_width=bucket_width, threads=threads,
+        temperature_column=temperature_column, seed_column=seed_column, max_new_tokens_column=max_new_tokens_column,
+        checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
     out = Console(quiet=quiet, soft_wrap=True)
     try:
-        job = Generation.open(cfg)
-    except UsageError as exc:
-        raise fail(str(exc)) from None
-    summary = _run_with_progress(job, out, quiet)
-    if summary["errors"]:
-        err.print(f"{summary['errors']} of {summary['rows']} rows failed (finish_reason = error); "
-                  f"see the error column of {summary['output']}", highlight=False)
-        raise typer.Exit(code=EXIT_ROW_ERRORS)
+        log = JsonLog(log_json)
+    except OSError as exc:
+        raise fail(f"--log-json {log_json}: cannot open for writing ({exc.strerror or exc})") from None
+    with log:
+        try:
+            job = Generation.open(cfg)
+        except UsageError as exc:
+            log.write("error", message=str(exc), exit_code=EXIT_USAGE)
+            raise fail(str(exc)) from None
+        with job:
+            code = _run(job, out, log, quiet)
+    if code:
+        raise typer.Exit(code=code)
 
 
-def _run_with_progress(job: Generation, out: Console, quiet: bool) -> dict:
-    started, tokens = time.perf_counter(), 0
+class JsonLog:
+    """One JSON object per line, flushed at once, for schedulers (`--log-json`); appends across reruns."""
+
+    def __init__(self, path: Path | None):
+        self.file = open(path, "a", encoding="utf-8") if path is not None else None
+
+    def write(self, event: str, **fields) -> None:
+        if self.file is None:
+            return
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        self.file.write(json.dumps({"event": event, "time": now, **fields}, default=str) + "\n")
+        self.file.flush()
+
+    def __enter__(self) -> "JsonLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(job: Generation):
+    """SIGINT / SIGTERM ask the job to stop after the current step; a second one acts at once."""
+    previous = {}
+
+    def handler(signum, frame):
+        job.stop(signum)
+        signal.signal(signum, previous[signum])
+
+    for sig in STOP_SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread (embedded use): no handlers, the caller owns signals
+            break
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _run(job: Generation, out: Console, log: JsonLog, quiet: bool) -> int:
+    """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code."""
+    started, tokens, total = time.perf_counter(), 0, job.total_rows
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), console=out, disable=quiet, transient=False)
-    with progress:
-        task = None
-        for event in job.events():
-            if isinstance(event, Started):
-                for note in event.notes:
-                    out.print(f"note: {note}", highlight=False)
-                task = progress.add_task(event.mode, total=event.total_rows, tps=0.0)
-            elif isinstance(event, RowResult):
-                progress.advance(task)
-            elif isinstance(event, StepStats):
-                tokens += event.tokens_emitted
-                progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started))
+    stopped: Interrupted | None = None
+    events = job.events()
+    try:
+        with progress, _stop_on_signals(job):
+            task = None
+            for event in events:
+                if isinstance(event, Started):
+                    for note in event.notes:
+                        out.print(f"note: {note}", highlight=False)
+                    log.write("start", total_rows=event.total_rows, mode=event.mode, input=str(job.cfg.input),
+                              output=str(job.cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows)
+                    if event.resumed_rows:
+                        out.print(f"resuming: {event.resumed_rows} of {event.total_rows} rows already saved "
+                                  f"in {event.work_dir}", highlight=False)
+                        log.write("resumed", rows_saved=event.resumed_rows,
+                                  rows_left=event.total_rows - event.resumed_rows)
+                    task = progress.add_task(event.mode, total=event.total_rows, completed=event.resumed_rows,
+                                             tps=0.0)
+                elif isinstance(event, RowResult):
+                    progress.advance(task)
+                    if event.finish_reason == "error":
+                        log.write("row_error", row=event.row, id=event.id, error=event.error)
+                elif isinstance(event, StepStats):
+                    tokens += event.tokens_emitted
+                    progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started))
+                elif isinstance(event, BucketDone):
+                    log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
+                elif isinstance(event, Interrupted):
+                    stopped = event
+    except KeyboardInterrupt:  # a second Ctrl-C: the finished rows are saved all the same
+        events.close()
+        stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total, signal=signal.SIGINT)
+    except Exception as exc:  # a bug or the machine: say what is kept, then show the traceback (exit 1)
+        events.close()
+        log.write("failed", error=" ".join(str(exc).split()) or type(exc).__name__, rows_saved=job.saved_rows,
+                  total_rows=total, exit_code=1)
+        err.print(f"[bold red]error:[/] the run failed; {job.saved_rows} of {total} rows are saved and rerunning "
+                  f"the same command resumes", highlight=False)
+        raise
+    finally:
+        events.close()
+    if stopped is not None:
+        code = 128 + int(stopped.signal or signal.SIGINT)
+        err.print(f"interrupted: {stopped.saved_rows} of {stopped.total_rows} rows saved; rerun the same command "
+                  f"to resume", highlight=False)
+        log.write("interrupted", signal=_signal_name(stopped.signal), rows_saved=stopped.saved_rows,
+                  total_rows=stopped.total_rows, elapsed_s=round(time.perf_counter() - started, 3), exit_code=code)
+        return code
     summary = job.finish()
     elapsed = time.perf_counter() - started
     out.print(f"wrote {summary['rows']} rows to {summary['output']} ({summary['completion_tokens']} tokens, "
               f"{summary['completion_tokens'] / max(elapsed, 1e-9):.1f} tok/s); statistics in {summary['stats']}",
               highlight=False)
-    return summary
+    code = EXIT_ROW_ERRORS if summary["errors"] else 0
+    if summary["errors"]:
+        row, row_id, message = summary["first_errors"][0]
+        err.print(f"{summary['errors']} of {summary['rows']} rows failed (finish_reason = error); see the error "
+                  f"column of {summary['output']}; first: row {row + 1} (id {row_id}): {message}", highlight=False)
+    log.write("finish", rows=summary["rows"], errors=summary["errors"], resumed_rows=summary["resumed_rows"],
+              generated_rows=summary["generated_rows"], completion_tokens=summary["completion_tokens"],
+              elapsed_s=round(elapsed, 3), output=summary["output"], stats=summary["stats"], exit_code=code)
+    return code
+
+
+def _signal_name(signum: int | None) -> str | None:
+    return None if signum is None else signal.Signals(signum).name
 
 
 def main() -> None:  # pragma: no cover - console entry point
@@ -224,7 +338,13 @@ def bucket(
     try:
         inp = bio.read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        ids = [bio.render_prompt(tokenizer, p, chat, system) for p in inp.prompts]
+        ids = []
+        for row, prompt in enumerate(inp.prompts):
+            try:
+                ids.append(bio.render_prompt(tokenizer, prompt, chat, system))
+            except Exception as exc:  # noqa: BLE001 - a chat template may raise anything
+                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({' '.join(str(exc).split())}); "
+                           f"`generate` would report it as an error row") from None
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
                              id_column=id_column, chat=chat, system=system)
         manifest = build_buckets(directory, inp.table, ids, tokenizer_settings(cfg, name), width=bucket_width,

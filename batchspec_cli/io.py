@@ -410,7 +410,7 @@ def write_completions(
     _write_atomic(Path(out), table, metadata)
 
 
-# Arrow types of StepStats fields, from their annotations; KV counts may exceed int32.
+# Arrow types of RowResult / StepStats fields, from their annotations; KV counts may exceed int32.
 _ANNOTATION_TYPES = {
     "int": pa.int32(),
     "float": pa.float64(),
@@ -419,32 +419,76 @@ _ANNOTATION_TYPES = {
     "list[int]": pa.list_(pa.int32()),
     "list[float]": pa.list_(pa.float64()),
 }
-_STATS_TYPE_OVERRIDES = {"kv_moved": pa.int64(), "kv_gathered": pa.int64()}
+_TYPE_OVERRIDES = {
+    StepStats: {"kv_moved": pa.int64(), "kv_gathered": pa.int64()},
+    RowResult: {"row": pa.int64()},
+}
 
 
-def _stats_schema() -> pa.Schema:
+def _dataclass_schema(cls) -> pa.Schema:
     fields = []
-    for f in dataclasses.fields(StepStats):
+    for f in dataclasses.fields(cls):
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         annotation = annotation.replace(" ", "").removesuffix("|None")
-        arrow_type = _STATS_TYPE_OVERRIDES.get(f.name) or _ANNOTATION_TYPES.get(annotation)
+        arrow_type = _TYPE_OVERRIDES.get(cls, {}).get(f.name) or _ANNOTATION_TYPES.get(annotation)
         if arrow_type is None:
-            raise RuntimeError(f"no Arrow type for StepStats.{f.name}: {f.type}")
+            raise RuntimeError(f"no Arrow type for {cls.__name__}.{f.name}: {f.type}")
         fields.append(pa.field(f.name, arrow_type))
     return pa.schema(fields)
 
 
+def _stats_schema() -> pa.Schema:
+    return _dataclass_schema(StepStats)
+
+
+def stats_table(stats: list[StepStats]) -> pa.Table:
+    return pa.Table.from_pylist([dataclasses.asdict(s) for s in stats], schema=_stats_schema())
+
+
+def results_table(results: list[RowResult]) -> pa.Table:
+    """Finished rows as a table (the checkpoint part format: RowResult fields, one row each)."""
+    return pa.Table.from_pylist([dataclasses.asdict(r) for r in results], schema=_dataclass_schema(RowResult))
+
+
+def _from_table(cls, table: pa.Table) -> list:
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not required <= set(table.column_names):
+        raise ValueError(f"not a {cls.__name__} table: missing {sorted(required - set(table.column_names))}")
+    keep = [c for c in table.column_names if c in names]
+    return [cls(**row) for row in table.select(keep).to_pylist()]
+
+
+def results_from_table(table: pa.Table) -> list[RowResult]:
+    return _from_table(RowResult, table)
+
+
+def stats_from_table(table: pa.Table) -> list[StepStats]:
+    return _from_table(StepStats, table)
+
+
+def read_table(path: Path) -> pa.Table:
+    """A whole Parquet file (no validation: callers check the columns)."""
+    with open(path, "rb") as f:
+        return pq.read_table(f)
+
+
 def write_stats(path: Path, stats: list[StepStats], metadata: dict) -> None:
     """One row per speculative step; a valid (empty) file when there are none."""
-    schema = _stats_schema()
-    table = pa.Table.from_pylist([dataclasses.asdict(s) for s in stats], schema=schema)
+    _write_atomic(Path(path), stats_table(stats), metadata)
+
+
+def write_table_atomic(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
+    """Write a Parquet file atomically (temp file, fsync, rename, fsync of the directory)."""
     _write_atomic(Path(path), table, metadata)
 
 
-def _write_atomic(out: Path, table: pa.Table, metadata: dict) -> None:
+def _write_atomic(out: Path, table: pa.Table, metadata: dict | None) -> None:
     """Temp file in OUT's directory, fsync, rename onto OUT, fsync the directory."""
-    encoded = json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")
-    table = table.replace_schema_metadata({METADATA_KEY: encoded})
+    if metadata is not None:
+        encoded = json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")
+        table = table.replace_schema_metadata({METADATA_KEY: encoded})
     directory = out.parent
     tmp = directory / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:

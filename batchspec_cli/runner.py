@@ -1,14 +1,26 @@
-"""One `generate` job: input -> tokenize -> buckets -> engine -> output files.
+"""One `generate` job: input -> tokenize -> buckets -> engine -> output files, resumable.
 
 ``Generation.open(cfg)`` validates everything that can be validated before any work
-(flags, input file, output path, model paths, vocabularies) and raises ``UsageError``
-with a one-line message; ``events()`` then streams engine events; ``finish()`` writes the
-completions and statistics files atomically.
+(flags, input file, output path, model paths, vocabularies), takes the output's lock and
+raises ``UsageError`` with a one-line message; ``events()`` then streams events (engine
+events plus ``Started``, ``BucketDone``, ``Interrupted``) while finished rows are saved to
+checkpoint parts; ``finish()`` writes the completions and statistics files atomically and
+removes the work directory; ``close()`` releases the lock (always call it, or use ``with``).
+
+Resuming (see ``checkpoint``): a job is identified by a *fingerprint* of everything that
+decides its rows' completions (input bytes, models, mode, k, sampling, limits, prompt
+rendering). Rerunning the same command after a crash loads the saved parts, skips their
+rows and continues; a different fingerprint is refused (``--restart`` discards the old
+work). Batch size, window, bucket width, threads and device may change between the runs:
+a row's completion does not depend on them. ``stop()`` (from a signal handler) ends the
+run cleanly after the current step, with every finished row saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -16,10 +28,12 @@ from typing import Iterator
 import torch
 
 from buckets import BucketError, build_buckets, is_bucket_dir, iter_bucket_rows, open_buckets, read_all_rows
+from buckets import settings_hash
 
 from . import __version__
 from . import io as bio
 from . import models
+from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
 from .engine import Engine, EngineConfig, ModelHandle
 from .events import Request, RowResult, Sampling, StepStats
 
@@ -43,6 +57,7 @@ class GenerateConfig:
     batch_size: int = 8
     window: int | None = None  # default 4 x batch size
     max_new_tokens: int = 256
+    max_prompt_tokens: int | None = None  # longer prompts become error rows
     prompt_column: str = "prompt"
     id_column: str = "id"
     chat: bool = True
@@ -52,6 +67,7 @@ class GenerateConfig:
     device: str = "auto"
     limit: int | None = None
     overwrite: bool = False
+    restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
     temperature: float = 0.0
     top_k: int = 0
@@ -62,6 +78,8 @@ class GenerateConfig:
     temperature_column: str | None = None  # per-row overrides read from input columns (null: the flag's value)
     seed_column: str | None = None
     max_new_tokens_column: str | None = None
+    checkpoint_rows: int = 32  # save a part after this many finished rows ...
+    checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
 
 
 @dataclass
@@ -71,12 +89,46 @@ class Started:
     total_rows: int
     mode: str
     notes: list[str] = field(default_factory=list)
+    resumed_rows: int = 0  # rows already saved by an interrupted run of this job, not generated again
+    work_dir: str = ""
+
+
+@dataclass
+class BucketDone:
+    """Every row of a length bucket has finished (saved rows of a resumed job excluded)."""
+
+    bucket: int
+    rows: int
+    errors: int
+
+
+@dataclass
+class Interrupted:
+    """Last event of a run ended by ``stop()`` before every row finished."""
+
+    saved_rows: int  # rows durably saved (this run's and earlier runs')
+    total_rows: int
+    signal: int | None
+
+
+# Fingerprint keys and how to name them to the user, in the order they are reported.
+FINGERPRINT_LABELS = {
+    "input": "the input's contents", "limit": "--limit", "target": "--target", "draft": "--draft",
+    "mode": "--mode", "draft_tokens": "--draft-tokens", "max_new_tokens": "--max-new-tokens",
+    "max_prompt_tokens": "--max-prompt-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "seed": "--seed", "temperature_column": "--temperature-column",
+    "seed_column": "--seed-column", "max_new_tokens_column": "--max-new-tokens-column", "stop": "--stop",
+    "chat": "--chat/--no-chat", "system": "--system", "prompt_column": "--prompt-column",
+    "id_column": "--id-column", "dtype": "--dtype", "rows": "the number of input rows",
+}
 
 
 def validate(cfg: GenerateConfig) -> None:
     checks = [
         (cfg.batch_size >= 1, f"--batch-size must be a positive integer, got {cfg.batch_size}"),
         (cfg.max_new_tokens >= 1, f"--max-new-tokens must be a positive integer, got {cfg.max_new_tokens}"),
+        (cfg.max_prompt_tokens is None or cfg.max_prompt_tokens >= 1,
+         f"--max-prompt-tokens must be a positive integer, got {cfg.max_prompt_tokens}"),
         (1 <= cfg.k <= 32, f"--draft-tokens must be between 1 and 32, got {cfg.k}"),
         (cfg.window is None or cfg.window >= 1, f"--window must be a positive integer, got {cfg.window}"),
         (cfg.limit is None or cfg.limit >= 1, f"--limit must be a positive integer, got {cfg.limit}"),
@@ -87,6 +139,8 @@ def validate(cfg: GenerateConfig) -> None:
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
         (cfg.bucket_width is None or cfg.bucket_width >= 1, f"--bucket-width must be positive, got {cfg.bucket_width}"),
         (cfg.threads is None or cfg.threads >= 1, f"--threads must be a positive integer, got {cfg.threads}"),
+        (cfg.checkpoint_rows >= 1, f"--checkpoint-rows must be a positive integer, got {cfg.checkpoint_rows}"),
+        (cfg.checkpoint_seconds > 0, f"--checkpoint-seconds must be positive, got {cfg.checkpoint_seconds}"),
         (all(cfg.stop), "--stop strings must not be empty"),
     ]
     for ok, message in checks:
@@ -110,6 +164,23 @@ class Generation:
         self.notes: list[str] = []
         self.results: dict[int, RowResult] = {}
         self.stats: list[StepStats] = []
+        self.work = WorkDir(work_dir_for(cfg.output))
+        self.resumed_rows = 0
+        self.interrupted = False
+        self._stop_signal: int | None = None
+        self._stop_requested = False
+        self._announce: list[RowResult] = []  # rows finished before the engine starts (prompt errors)
+        self._unsaved_rows: list[RowResult] = []
+        self._unsaved_stats: list[StepStats] = []
+        self._last_save = time.monotonic()
+        self._step_offset = 0
+        self._pending: list[RowResult] = []  # error rows found while feeding the engine
+        self._bucket_left: dict[int, int] = {}  # bucket -> rows handed out and not finished
+        self._bucket_errors: dict[int, int] = {}
+        self._bucket_rows: dict[int, int] = {}
+        self._row_bucket: dict[int, int] = {}
+        self._sealed: set[int] = set()  # buckets whose every row has been handed out
+        self._announced: set[int] = set()
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -118,20 +189,58 @@ class Generation:
         self = cls(cfg)
         try:
             self._open()
-        except (bio.InputError, models.ModelError, BucketError) as exc:
+        except LockHeld as exc:
+            raise UsageError(f"{cfg.output} is being written by another batchspec run"
+                             f"{f' (pid {exc.pid})' if exc.pid else ''}; wait for it to finish, or remove "
+                             f"{self.work.lock_path} if it is not running") from None
+        except (bio.InputError, models.ModelError, BucketError, CheckpointError) as exc:
+            self.close()
             raise UsageError(str(exc)) from None
+        except BaseException:
+            self.close()
+            raise
         return self
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the lock; a work directory with nothing resumable in it is removed."""
+        if not self.work.locked:
+            return
+        if not self.work.job_path.exists():
+            self.work.remove()
+        else:
+            self.work.unlock()
 
     def _open(self) -> None:
         cfg = self.cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        bio.check_output_path(cfg.output, cfg.overwrite)
+        bio.check_output_path(cfg.output, overwrite=True)
         self.stats_path = cfg.stats or bio.stats_path_for(cfg.output)
         if self.stats_path.resolve() == cfg.output.resolve():
             raise UsageError("--stats must differ from the output file")
-        if self.stats_path.exists() and not cfg.overwrite:
-            raise UsageError(f"{self.stats_path} already exists; pass --overwrite to replace it")
+
+        # One writer per output: the lock, before anything is read or written.
+        self.work.lock()
+        job = None
+        try:
+            job = self.work.read_job()
+        except CheckpointError as exc:
+            if not cfg.restart:
+                raise CheckpointError(f"{exc}; pass --restart to discard the interrupted run's work") from None
+        if cfg.restart:
+            self.work.clear()
+            job = None
+        finishing = bool(job and job.get("finishing"))  # a crash while writing the final files
+        if not cfg.overwrite and not finishing:
+            for path in (cfg.output, self.stats_path):
+                if path.exists():
+                    raise UsageError(f"{path} already exists; pass --overwrite to replace it")
 
         # Read the input before any model is loaded: bad input fails fast.
         self.bucket_dir: Path | None = None
@@ -140,9 +249,14 @@ class Generation:
                 raise UsageError(f"{cfg.input}: a directory, but not a bucket directory (no manifest.json)")
             self.bucket_dir = cfg.input
             self.manifest = open_buckets(cfg.input)
+            self.input_hash = hash_files([cfg.input / "manifest.json"] +
+                                         [cfg.input / b.shard for b in self.manifest.buckets])
         else:
             self.inp = bio.read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
+            if "__row" in self.inp.table.column_names or "__prompt_ids" in self.inp.table.column_names:
+                raise UsageError(f"{cfg.input}: column names __row and __prompt_ids are reserved")
             self.overrides = row_overrides(self.inp.table, cfg)
+            self.input_hash = hash_files([cfg.input])
 
         # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
         draft_spec = cfg.draft
@@ -169,58 +283,154 @@ class Generation:
             self.draft.model.to(self.target.model.dtype)
         self.tokenizer = self.target.tokenizer
         self.eos_ids = models.eos_ids(self.target.model, self.tokenizer)
-        self._prepare_buckets()
 
-    def _prepare_buckets(self) -> None:
-        """Tokenize every prompt once and write (or reuse) the length buckets."""
+        # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
+        if self.bucket_dir is not None:
+            self._open_bucket_dir()
+        fingerprint = self.fingerprint()
+        if job is not None:
+            changes = describe_changes(job["fingerprint"], fingerprint, FINGERPRINT_LABELS)
+            if changes:
+                raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
+                                 f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
+                                 f"to discard its work")
+            self._resume()
+        else:
+            self.work.clear()  # leftovers of a run that died before it was resumable
+            self._announce = self._prepare_buckets()
+            for result in self._announce:
+                self.results[result.row] = result
+            self.work.save_part(self._announce, [])  # saved before the job exists: resumable means complete
+            self.work.start_job(fingerprint, self.total_rows)
+
+    def fingerprint(self) -> dict:
+        """Everything that decides the rows' completions; a resumed run must match it exactly."""
+        cfg = self.cfg
+        return {
+            "input": self.input_hash, "rows": self.total_rows, "limit": cfg.limit,
+            "target": model_signature(self.target.name, self.target.source),
+            "draft": model_signature(self.draft.name, self.draft.source) if self.draft else None,
+            "mode": self.mode, "draft_tokens": cfg.k, "max_new_tokens": cfg.max_new_tokens,
+            "max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature, "top_k": cfg.top_k,
+            "top_p": cfg.top_p, "seed": cfg.seed, "temperature_column": cfg.temperature_column,
+            "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column,
+            "stop": list(cfg.stop), "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
+            "id_column": cfg.id_column, "dtype": cfg.dtype,
+        }
+
+    def _open_bucket_dir(self) -> None:
+        """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
         cfg = self.cfg
         settings = tokenizer_settings(cfg, self.target_name)
+        mismatched = {key: (self.manifest.settings.get(key), value) for key, value in settings.items()
+                      if key != "id_column" and self.manifest.settings.get(key) != value}
+        if mismatched:
+            detail = "; ".join(f"{k}: bucketed with {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
+            raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
+                             f"rerun `batchspec bucket` with these settings")
+        table = read_all_rows(self.bucket_dir, self.manifest)
+        id_column = self.manifest.settings.get("id_column", "id")
+        ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
+            else [str(v) for v in table.column("__row").to_pylist()]
+        table = table.drop_columns([c for c in ("__row", "__prompt_ids") if c in table.column_names])
+        if cfg.limit is not None:
+            table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
+        self.inp = bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids)
+        self.overrides = row_overrides(table, cfg)
+
+    def _prepare_buckets(self) -> list[RowResult]:
+        """Tokenize every prompt once and write the length buckets; returns the prompts that failed as error rows."""
+        cfg = self.cfg
+        self.limit_rows = set(range(self.total_rows)) if self.bucket_dir is not None else None
         if self.bucket_dir is not None:
-            mismatched = {key: (self.manifest.settings.get(key), value) for key, value in settings.items()
-                          if key != "id_column" and self.manifest.settings.get(key) != value}
-            if mismatched:
-                detail = "; ".join(f"{k}: bucketed with {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
-                raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
-                                 f"rerun `batchspec bucket` with these settings")
-            table = read_all_rows(self.bucket_dir, self.manifest)
-            id_column = self.manifest.settings.get("id_column", "id")
-            ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
-                else [str(v) for v in table.column("__row").to_pylist()]
-            table = table.drop_columns([c for c in ("__row", "__prompt_ids") if c in table.column_names])
-            if cfg.limit is not None:
-                table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
-            self.inp = bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids)
-            self.overrides = row_overrides(table, cfg)
-            self.limit_rows = set(range(len(ids)))
-            return
-        prompt_ids = [bio.render_prompt(self.tokenizer, p, cfg.chat, cfg.system) for p in self.inp.prompts]
-        self.bucket_dir = work_dir_for(cfg.output) / "buckets"
-        table = self.inp.table
-        if "__row" in table.column_names or "__prompt_ids" in table.column_names:
-            raise UsageError(f"{cfg.input}: column names __row and __prompt_ids are reserved")
-        self.manifest = build_buckets(self.bucket_dir, table, prompt_ids, settings, width=cfg.bucket_width,
+            return []
+        prompt_ids, failed = [], []
+        for row, prompt in enumerate(self.inp.prompts):
+            try:
+                prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, cfg.chat, cfg.system))
+            except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
+                prompt_ids.append([])  # never handed to the engine: the row is already finished
+                failed.append(RowResult(row, self.inp.ids[row], [], "error",
+                                        error=f"cannot render the prompt: {_one_line(exc)}"))
+        self.bucket_dir = self.work.buckets
+        self.manifest = build_buckets(self.bucket_dir, self.inp.table, prompt_ids,
+                                      tokenizer_settings(cfg, self.target_name), width=cfg.bucket_width,
                                       min_rows=cfg.batch_size, overwrite=True)
-        self.limit_rows = None
+        return failed
+
+    def _resume(self) -> None:
+        """Load the saved parts of this job and reuse its buckets (made again if damaged)."""
+        saved = self.work.load()
+        for name in saved.dropped:
+            self.notes.append(f"discarded the unreadable checkpoint part {name}: its rows will be generated again")
+        for result in saved.results:
+            if not 0 <= result.row < self.total_rows or result.id != self.inp.ids[result.row]:
+                raise CheckpointError(f"{self.work.path}: a saved row does not belong to this input; "
+                                      f"pass --restart to discard the interrupted run's work")
+            self.results[result.row] = result  # a row saved twice (never expected) is kept once
+        self.stats = list(saved.stats)
+        self._step_offset = max((s.step for s in self.stats), default=0)
+        self.resumed_rows = len(self.results)
+        if self.bucket_dir is None:
+            settings = tokenizer_settings(self.cfg, self.target_name)
+            try:
+                self.manifest = open_buckets(self.work.buckets)
+                ok = self.manifest.settings_hash == settings_hash(settings)
+            except BucketError:
+                ok = False
+            if ok:
+                self.bucket_dir, self.limit_rows = self.work.buckets, None
+            else:  # tokenization is deterministic: make them again (prompt errors are already saved)
+                self.notes.append("the saved length buckets were damaged: tokenizing again")
+                shutil.rmtree(self.work.buckets, ignore_errors=True)
+                self._announce = [r for r in self._prepare_buckets() if r.row not in self.results]
+                for result in self._announce:
+                    self._record(result)
+        else:
+            self.limit_rows = set(range(self.total_rows))
 
     @property
     def total_rows(self) -> int:
         return len(self.inp.ids)
 
+    @property
+    def saved_rows(self) -> int:
+        return len(self.results) - len(self._unsaved_rows)
+
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
+        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _pending."""
         cfg = self.cfg
         temperature, seed, max_new = (self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens"))
+        skip = set(self.results)
+        current = None
         for bucket, batch in iter_bucket_rows(self.bucket_dir, self.manifest):
+            if bucket.index != current:
+                self._seal(current)
+                current = bucket.index
             rows = batch.column("__row").to_pylist()
             ids = batch.column("__prompt_ids").to_pylist()
             for row, prompt in zip(rows, ids):
-                if self.limit_rows is not None and row not in self.limit_rows:
+                if (self.limit_rows is not None and row not in self.limit_rows) or row in skip:
+                    continue
+                self._row_bucket[row] = bucket.index
+                self._bucket_left[bucket.index] = self._bucket_left.get(bucket.index, 0) + 1
+                self._bucket_rows[bucket.index] = self._bucket_rows.get(bucket.index, 0) + 1
+                if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
+                    self._pending.append(RowResult(
+                        row, self.inp.ids[row], [], "error", prompt_tokens=len(prompt),
+                        error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
                     continue
                 sampling = Sampling(temperature=_pick(temperature, row, cfg.temperature), top_k=cfg.top_k,
                                     top_p=cfg.top_p, seed=_pick(seed, row, cfg.seed))
                 yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
                               bucket=bucket.index, pad_to=bucket.hi)
+        self._seal(current)
+
+    def _seal(self, bucket: int | None) -> None:
+        if bucket is not None:
+            self._sealed.add(bucket)
 
     def engine(self) -> Engine:
         cfg = self.cfg
@@ -232,14 +442,74 @@ class Generation:
         checker = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
         return Engine(target, draft, self.eos_ids, econf, stop_checker=checker)
 
-    def events(self) -> Iterator[Started | RowResult | StepStats]:
-        yield Started(total_rows=self.total_rows, mode=self.mode, notes=list(self.notes))
-        for event in self.engine().run(self.requests()):
-            if isinstance(event, RowResult):
-                self.results[event.row] = event
+    def stop(self, signal: int | None = None) -> None:
+        """Ask the run to end after the current step (safe to call from a signal handler)."""
+        self._stop_signal = signal
+        self._stop_requested = True
+
+    def events(self) -> Iterator[Started | RowResult | StepStats | BucketDone | Interrupted]:
+        yield Started(total_rows=self.total_rows, mode=self.mode, notes=list(self.notes),
+                      resumed_rows=self.resumed_rows, work_dir=str(self.work.path))
+        yield from self._announce  # prompt errors: already recorded and saved
+        stream = self.engine().run(self.requests())
+        try:
+            for event in stream:
+                if isinstance(event, StepStats):
+                    event = dataclasses.replace(event, step=event.step + self._step_offset)
+                self._record(event)
+                yield event
+                yield from self._drain()
+                self._save_if_due()
+                if self._stop_requested:
+                    break
             else:
-                self.stats.append(event)
-            yield event
+                yield from self._drain()
+        finally:
+            stream.close()
+            self._save()  # a clean stop, a finished run or an exception: keep every finished row
+        if self._stop_requested and len(self.results) < self.total_rows:
+            self.interrupted = True
+            yield Interrupted(saved_rows=self.saved_rows, total_rows=self.total_rows, signal=self._stop_signal)
+
+    def _record(self, event: RowResult | StepStats) -> None:
+        if isinstance(event, RowResult):
+            if event.row in self.results:
+                raise RuntimeError(f"row {event.row} finished twice")
+            self.results[event.row] = event
+            self._unsaved_rows.append(event)
+            bucket = self._row_bucket.pop(event.row, None)
+            if bucket is not None:
+                self._bucket_left[bucket] -= 1
+                self._bucket_errors[bucket] = self._bucket_errors.get(bucket, 0) + (event.finish_reason == "error")
+        else:
+            self.stats.append(event)
+            self._unsaved_stats.append(event)
+
+    def _drain(self) -> Iterator[RowResult | BucketDone]:
+        """Error rows found while feeding the engine, then buckets that just completed."""
+        while self._pending:
+            result = self._pending.pop(0)
+            self._record(result)
+            yield result
+        for bucket in sorted(self._sealed - self._announced):
+            if self._bucket_left.get(bucket, 0) == 0:
+                self._announced.add(bucket)
+                if self._bucket_rows.get(bucket):
+                    yield BucketDone(bucket=bucket, rows=self._bucket_rows[bucket],
+                                     errors=self._bucket_errors.get(bucket, 0))
+
+    def _save_if_due(self) -> None:
+        due = len(self._unsaved_rows) >= self.cfg.checkpoint_rows or (
+            time.monotonic() - self._last_save >= self.cfg.checkpoint_seconds)
+        if due:
+            self._save()
+
+    def _save(self) -> None:
+        """Write the rows and statistics not yet saved as one checkpoint part."""
+        if self._unsaved_rows or self._unsaved_stats:
+            self.work.save_part(self._unsaved_rows, self._unsaved_stats)
+            self._unsaved_rows, self._unsaved_stats = [], []
+        self._last_save = time.monotonic()
 
     # ------------------------------------------------------------------ output
     def metadata(self) -> dict:
@@ -251,11 +521,13 @@ class Generation:
             "draft": self.draft.name if self.draft else None, "draft_source": self.draft.source if self.draft else None,
             "mode": self.mode, "draft_tokens": cfg.k, "batch_size": cfg.batch_size,
             "window": cfg.window or 4 * cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
+            "max_prompt_tokens": cfg.max_prompt_tokens,
             "temperature": cfg.temperature, "temperature_column": cfg.temperature_column,
             "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column, "top_k": cfg.top_k, "top_p": cfg.top_p, "seed": cfg.seed,
             "chat": cfg.chat, "system": cfg.system, "stop": list(cfg.stop), "prompt_column": cfg.prompt_column,
             "id_column": cfg.id_column, "dtype": str(self.target.model.dtype).removeprefix("torch."),
             "device": str(self.target.model.device), "eos_token_ids": self.eos_ids, "input": str(cfg.input),
+            "resumed_rows": self.resumed_rows,
         }
 
     def texts(self, results: list[RowResult]) -> list[str]:
@@ -268,19 +540,24 @@ class Generation:
         return out
 
     def finish(self) -> dict:
-        """Write both files atomically; returns a summary."""
+        """Write both files atomically, remove the work directory; returns a summary."""
+        self._save()
         results = [self.results[row] for row in sorted(self.results)]
         missing = self.total_rows - len(results)
         if missing:
             raise RuntimeError(f"{missing} rows have no result")
         meta = self.metadata()
+        self.work.mark_finishing()
         bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta)
         bio.write_stats(self.stats_path, self.stats, meta)
-        shutil.rmtree(work_dir_for(self.cfg.output), ignore_errors=True)
+        self.work.remove()
+        errors = [r for r in results if r.finish_reason == "error"]
         return {
-            "rows": len(results), "errors": sum(r.finish_reason == "error" for r in results),
+            "rows": len(results), "errors": len(errors), "resumed_rows": self.resumed_rows,
+            "generated_rows": len(results) - self.resumed_rows,
             "completion_tokens": sum(len(r.token_ids) for r in results), "output": str(self.cfg.output),
             "stats": str(self.stats_path),
+            "first_errors": [(r.row, r.id, r.error) for r in errors[:3]],
         }
 
 
@@ -340,6 +617,10 @@ class StopStrings:
             if self._hit(ids[:cut]):
                 return cut
         return len(ids)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _transformers_version() -> str:

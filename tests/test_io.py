@@ -684,3 +684,65 @@ def test_fuzz_jsonl_lines(lines, limit):
 @given(data=st.binary(max_size=200))
 def test_fuzz_random_bytes(data):
     _read_and_write(data, None)
+
+
+def _parquet_bytes(rows: list[dict]) -> bytes | None:
+    try:
+        table = pa.Table.from_pylist(rows)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        return None  # Arrow cannot make a Parquet file of these rows: nothing a user could hand us
+    return sink.getvalue().to_pybytes()
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.lists(st.one_of(valid_rows, row_dicts), min_size=0, max_size=4),
+       cut=st.none() | st.floats(0.0, 1.0), flip=st.none() | st.integers(0, 10_000))
+def test_fuzz_parquet_tables_truncated_or_corrupted(rows, cut, flip):
+    """Parquet files of odd tables, some truncated or with one byte flipped: a message or a good read."""
+    data = _parquet_bytes(rows)
+    if data is None:
+        return
+    if cut is not None:
+        data = data[: int(len(data) * cut)]
+    if flip is not None and data:
+        i = flip % len(data)
+        data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "fuzz.parquet"
+        p.write_bytes(data)
+        try:
+            inp = read_input(p)
+        except InputError as e:
+            assert "fuzz.parquet" in str(e) and "\n" not in str(e)
+            return
+        results, texts = results_for(inp)
+        write_completions(Path(d) / "out.parquet", inp, results, texts, {"fuzz": True})
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(prefix=st.lists(valid_rows, max_size=3), junk=st.binary(min_size=1, max_size=8),
+       huge=st.integers(10_000, 200_000))
+def test_fuzz_jsonl_huge_line_and_invalid_utf8(prefix, junk, huge):
+    """A huge line reads; invalid UTF-8 (or any junk) after good lines names its line."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "fuzz.jsonl"
+        rows = [{k: v for k, v in r.items() if k != "id"} for r in prefix] + [{"prompt": "x" * huge}]
+        good = [json.dumps(r).encode() for r in rows]
+        p.write_bytes(b"\n".join(good + [b"\xff" + junk]))
+        with raises_input_error("fuzz.jsonl", f"line {len(good) + 1}"):
+            read_input(p)
+        assert len(read_input(p, limit=len(good)).prompts[-1]) == huge
+
+
+def test_results_and_stats_tables_round_trip():
+    """The checkpoint part format keeps every field of RowResult and StepStats."""
+    results = [RowResult(row=3, id="a", token_ids=[1, 2], finish_reason="error", error="boom", drafted_tokens=4,
+                         accepted_tokens=2, rounds=1, prompt_tokens=9),
+               RowResult(row=2**40, id="b", token_ids=[], finish_reason="stop")]
+    assert bio.results_from_table(bio.results_table(results)) == results
+    stats = [StepStats(bucket=1, step=2, group_kind="realigned", batch_size=3, k=4, accepted=[1, 0, 4],
+                       tokens_emitted=8, pad_before=2, pad_after=1, kv_moved=2**40, kv_gathered=5, draft_ms=1.5,
+                       verify_ms=2.25, realign_ms=0.0, gather_ms=0.125, total_ms=4.0)]
+    assert bio.stats_from_table(bio.stats_table(stats)) == stats

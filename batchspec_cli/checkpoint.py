@@ -1,0 +1,364 @@
+"""Checkpoints of one `generate` job: resume after a crash, one writer per output.
+
+A job keeps its state in a *work directory* beside ``OUT`` (``.OUT.batchspec-work/``)::
+
+    lock                               the live writer: {"pid", "host", "boot_id", "start"}
+    job.json                           the job's fingerprint (settings + input hash); written once,
+                                       after buckets/ is complete: its presence means "resumable"
+    buckets/                           the length buckets of a file input, reused on resume
+    parts/part-000001.rows.parquet     rows finished since the previous part (RowResult fields)
+    parts/part-000001.stats.parquet    step statistics produced since the previous part
+
+Every file is written under a temporary name, fsynced, renamed into place and its directory
+fsynced, so a part exists whole or not at all, whatever stops the process (SIGKILL, power
+loss, an OOM kill). A resumed job reads the parts back, skips their rows and writes new
+parts after them; ``OUT`` is assembled from all parts at the end, then the work directory
+is removed. Parts are independent: a part that cannot be read is dropped and its rows are
+simply generated again.
+
+The lock is created with ``O_EXCL``. A lock whose process is gone (``os.kill(pid, 0)``
+fails, the machine rebooted since, or the pid now names a younger process) is stale and
+is taken over; a live one is refused with ``LockHeld``. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import io as bio
+from .events import RowResult, StepStats
+
+JOB_FORMAT = "batchspec-job"
+JOB_VERSION = 1
+LOCK_NAME, JOB_NAME, PARTS_NAME, BUCKETS_NAME = "lock", "job.json", "parts", "buckets"
+_UNREADABLE_LOCK_GRACE_S = 10.0  # an empty/garbled lock younger than this may be mid-write
+
+
+class CheckpointError(Exception):
+    """The work directory cannot be used as it is; the message is one line."""
+
+
+class LockHeld(CheckpointError):
+    """Another live process writes this output."""
+
+    def __init__(self, message: str, pid: int | None):
+        super().__init__(message)
+        self.pid = pid
+
+
+@dataclass
+class Saved:
+    """What the parts of an interrupted job hold."""
+
+    results: list[RowResult]  # every saved row, in part order
+    stats: list[StepStats]  # every saved step, in part order
+    dropped: list[str]  # names of parts that could not be read (their rows will be redone)
+
+
+class WorkDir:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.lock_path = self.path / LOCK_NAME
+        self.job_path = self.path / JOB_NAME
+        self.parts = self.path / PARTS_NAME
+        self.buckets = self.path / BUCKETS_NAME
+        self.locked = False
+        self._next_part = 1
+
+    # ------------------------------------------------------------------ lock
+    def lock(self) -> None:
+        """Become the one writer of this work directory, or raise LockHeld / CheckpointError."""
+        for _ in range(5):
+            try:
+                if not self.path.is_dir():
+                    self.path.mkdir(parents=True, exist_ok=True)
+                    _fsync_directory(self.path.parent)  # the work directory itself survives a power loss
+                fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._take_over_if_stale()
+                continue
+            except FileNotFoundError:  # the directory vanished under us (a finishing writer): retry
+                continue
+            except OSError as exc:
+                raise CheckpointError(f"cannot create the lock {self.lock_path} ({exc.strerror or exc})") from None
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(_own_lock_info()) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_directory(self.path)
+            self.locked = True
+            return
+        raise LockHeld(f"could not take the lock {self.lock_path}: other processes keep taking it", None)
+
+    def _take_over_if_stale(self) -> None:
+        try:
+            raw = self.lock_path.read_bytes()
+            age = time.time() - self.lock_path.stat().st_mtime
+        except FileNotFoundError:
+            return  # released meanwhile: retry
+        info = _parse_lock(raw)
+        if info is None:
+            if age < _UNREADABLE_LOCK_GRACE_S:
+                raise LockHeld(f"the lock {self.lock_path} is being written by another process", None)
+        elif _alive(info):
+            raise LockHeld(f"another batchspec run (pid {info['pid']}) holds {self.lock_path}", info["pid"])
+        # Stale: move it aside (only one racer's rename succeeds), then check it is the lock we judged.
+        aside = self.path / f".{LOCK_NAME}.stale-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.rename(self.lock_path, aside)
+        except FileNotFoundError:
+            return
+        if aside.read_bytes() != raw:  # a new owner replaced it between our read and rename: give it back
+            try:
+                os.link(aside, self.lock_path)
+            except FileExistsError:
+                pass
+            aside.unlink(missing_ok=True)
+            info = _parse_lock(raw) or {}
+            raise LockHeld(f"another batchspec run holds {self.lock_path}", info.get("pid"))
+        aside.unlink(missing_ok=True)
+
+    def unlock(self) -> None:
+        if self.locked:
+            self.lock_path.unlink(missing_ok=True)
+            self.locked = False
+
+    # ------------------------------------------------------------------ job
+    def read_job(self) -> dict | None:
+        """The job.json of an earlier run, None when there is none; CheckpointError if unreadable."""
+        try:
+            body = json.loads(self.job_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{self.job_path} is unreadable ({_one_line(exc)})") from None
+        if not isinstance(body, dict) or body.get("format") != JOB_FORMAT or body.get("version") != JOB_VERSION \
+                or not isinstance(body.get("fingerprint"), dict):
+            raise CheckpointError(f"{self.job_path} is not a batchspec {JOB_VERSION} job file")
+        return body
+
+    def start_job(self, fingerprint: dict, total_rows: int) -> None:
+        """Record the job (after buckets/ and any first part are in place): from now on it is resumable."""
+        self._write_job({"format": JOB_FORMAT, "version": JOB_VERSION, "fingerprint": fingerprint,
+                         "total_rows": total_rows, "created": time.time(), "finishing": False})
+
+    def mark_finishing(self) -> None:
+        """Every row is saved and the final files are being written (a rerun may replace them)."""
+        job = self.read_job()
+        if job is not None:
+            self._write_job({**job, "finishing": True})
+
+    def _write_job(self, body: dict) -> None:
+        tmp = self.path / f".{JOB_NAME}.{secrets.token_hex(4)}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.job_path)
+        _fsync_directory(self.path)
+
+    def clear(self) -> None:
+        """Remove everything but the lock: the start of a new job."""
+        for entry in self.path.iterdir():
+            if entry.name == LOCK_NAME:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        self._next_part = 1
+
+    def remove(self) -> None:
+        """Delete the whole work directory (the job is complete); the lock goes with it."""
+        if not self.path.exists():
+            return
+        gone = self.path.parent / f"{self.path.name}.done-{secrets.token_hex(4)}"
+        os.rename(self.path, gone)  # disappears at once for any other process
+        shutil.rmtree(gone, ignore_errors=True)
+        self.locked = False
+
+    # ------------------------------------------------------------------ parts
+    def load(self) -> Saved:
+        """Every readable part, in order; sets the number of the next part."""
+        results: list[RowResult] = []
+        stats: list[StepStats] = []
+        dropped: list[str] = []
+        numbers = []
+        if self.parts.is_dir():
+            for path in sorted(self.parts.iterdir()):
+                if path.name.startswith("."):  # a temporary file of an interrupted write
+                    path.unlink(missing_ok=True)
+                    continue
+                number, kind = _part_name(path.name)
+                if number is None:
+                    continue
+                numbers.append(number)
+                try:
+                    table = bio.read_table(path)
+                    if kind == "rows":
+                        results.extend(bio.results_from_table(table))
+                    else:
+                        stats.extend(bio.stats_from_table(table))
+                except Exception:  # noqa: BLE001 - a damaged part of any kind is dropped and redone
+                    dropped.append(path.name)
+                    path.unlink(missing_ok=True)
+        self._next_part = max(numbers, default=0) + 1
+        return Saved(results=results, stats=stats, dropped=dropped)
+
+    def save_part(self, results: list[RowResult], stats: list[StepStats]) -> None:
+        """Durably record finished rows and statistics as the next part."""
+        if not results and not stats:
+            return
+        if not self.parts.is_dir():
+            self.parts.mkdir(exist_ok=True)
+            _fsync_directory(self.path)
+        number, self._next_part = self._next_part, self._next_part + 1
+        # Statistics first: a rows part on disk always has its statistics beside it.
+        if stats:
+            bio.write_table_atomic(self.parts / f"part-{number:06d}.stats.parquet", bio.stats_table(stats))
+        if results:
+            bio.write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", bio.results_table(results))
+
+
+def _part_name(name: str) -> tuple[int | None, str]:
+    parts = name.split(".")
+    if len(parts) != 3 or parts[2] != "parquet" or parts[1] not in ("rows", "stats") \
+            or not parts[0].startswith("part-") or not parts[0][5:].isdigit():
+        return None, ""
+    return int(parts[0][5:]), parts[1]
+
+
+# ---------------------------------------------------------------------------- fingerprints
+
+
+def describe_changes(old: dict, new: dict, labels: dict[str, str]) -> list[str]:
+    """One short phrase per setting that differs between two fingerprints."""
+    changes = []
+    for key in sorted(set(old) | set(new), key=lambda k: list(labels).index(k) if k in labels else len(labels)):
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        label = labels.get(key, key)
+        if key == "input":
+            changes.append(f"{label} changed")
+        elif isinstance(before, dict) and isinstance(after, dict) and before.get("name") == after.get("name"):
+            changes.append(f"{label} {after.get('name')!r}: the model files changed")
+        else:
+            show = lambda v: _short(v.get("name") if isinstance(v, dict) else v)  # noqa: E731
+            changes.append(f"{label}: was {show(before)}, now {show(after)}")
+    return changes
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def hash_files(paths: list[Path]) -> str:
+    """sha256 over the bytes of the files, in order (each prefixed by its size)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            digest.update(f"{os.fstat(f.fileno()).st_size}:".encode())
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()
+
+
+def model_signature(name: str, source: str) -> dict:
+    """What identifies a model for resuming: the name given, the resolved directory, its files' sizes.
+
+    (A hub model resolves to a snapshot directory named by its commit; a GGUF file to a
+    conversion keyed by its path, size and mtime.) Weights are not hashed: too slow for big models.
+    """
+    files = {}
+    folder = Path(source)
+    if folder.is_dir():
+        for path in sorted(folder.iterdir()):
+            if path.is_file() and (path.suffix in (".safetensors", ".bin", ".json", ".gguf", ".model")):
+                files[path.name] = path.stat().st_size
+    return {"name": name, "source": source, "files": files}
+
+
+# ---------------------------------------------------------------------------- lock helpers
+
+
+def _own_lock_info() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
+            "start": _process_start(os.getpid()), "created": time.time()}
+
+
+def _parse_lock(raw: bytes) -> dict | None:
+    """{"pid": int, ...} from a lock file (JSON, or a bare pid); None if unreadable."""
+    try:
+        text = raw.decode("utf-8").strip()
+        value = json.loads(text) if text.startswith("{") else {"pid": int(text)}
+    except (UnicodeDecodeError, ValueError):
+        return None
+    pid = value.get("pid") if isinstance(value, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    return value
+
+
+def _alive(info: dict) -> bool:
+    """Is the lock's owner still running? Unknown (another machine) counts as alive."""
+    if info.get("host") and info["host"] != socket.gethostname():
+        return True  # a shared filesystem: we cannot look at that machine's processes
+    boot = _boot_id()
+    if info.get("boot_id") and boot and info["boot_id"] != boot:
+        return False  # the machine restarted since the lock was taken
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user
+    except OverflowError:
+        return False
+    start = info.get("start")
+    if start is not None and _process_start(info["pid"]) not in (None, start):
+        return False  # the pid was reused by a younger process
+    return True
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (Linux), None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
