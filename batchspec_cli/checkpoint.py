@@ -79,7 +79,7 @@ class WorkDir:
             try:
                 if not self.path.is_dir():
                     self.path.mkdir(parents=True, exist_ok=True)
-                    _fsync_directory(self.path.parent)  # the work directory itself survives a power loss
+                    bio.fsync_directory(self.path.parent)  # the work directory itself survives a power loss
                 fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
@@ -92,7 +92,7 @@ class WorkDir:
                 f.write(json.dumps(_own_lock_info()) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_directory(self.path)
+            bio.fsync_directory(self.path)
             self.locked = True
             return
         raise LockHeld(f"could not take the lock {self.lock_path}: other processes keep taking it", None)
@@ -162,7 +162,7 @@ class WorkDir:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.job_path)
-        _fsync_directory(self.path)
+        bio.fsync_directory(self.path)
 
     def clear(self) -> None:
         """Remove everything but the lock: the start of a new job."""
@@ -218,7 +218,7 @@ class WorkDir:
             return
         if not self.parts.is_dir():
             self.parts.mkdir(exist_ok=True)
-            _fsync_directory(self.path)
+            bio.fsync_directory(self.path)
         number, self._next_part = self._next_part, self._next_part + 1
         # Statistics first: a rows part on disk always has its statistics beside it.
         if stats:
@@ -346,18 +346,6 @@ def _process_start(pid: int) -> int | None:
     except (OSError, IndexError, ValueError):
         return None
 
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -501,10 +501,11 @@ def _write_atomic(out: Path, table: pa.Table, metadata: dict | None) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """fsync a directory so a rename in it is durable (best effort where refused)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

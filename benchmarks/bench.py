@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from batchspec_cli import models  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
+from batchspec_cli.events import Request, StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 

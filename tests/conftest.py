@@ -129,6 +129,18 @@ def save_tiny_model_dir(tmp_dir: Path, seed: int, **kw) -> Path:
     return tmp_dir
 
 
+def save_target_and_draft_dirs(root: Path, noise: float = 0.01) -> tuple[Path, Path]:
+    """A saved tiny target and a perturbed copy of it as its draft (mixed acceptance)."""
+    target = save_tiny_model_dir(root / "target", seed=0)
+    draft = save_tiny_model_dir(root / "draft", seed=0)
+    model = LlamaForCausalLM.from_pretrained(draft)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * noise)
+    model.save_pretrained(draft)
+    return target, draft
+
+
 @torch.no_grad()
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
     """Per-prompt greedy decoding (batch 1, no padding, DynamicCache).

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from batchspec_cli.cli import app
 from batchspec_cli.io import read_run_metadata
 from batchspec_cli.models import load_model
-from conftest import greedy_reference, make_tokenizer, save_tiny_model_dir
+from conftest import save_target_and_draft_dirs, greedy_reference, make_tokenizer, save_tiny_model_dir
 
 torch.set_num_threads(1)
 runner = CliRunner()
@@ -29,15 +29,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_models")
-    target = save_tiny_model_dir(root / "target", seed=0)
-    draft = save_tiny_model_dir(root / "draft", seed=0)  # same weights, then perturbed below
-    model = load_model(str(draft)).model
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.01)
-    model.save_pretrained(draft)
-    return target, draft
+    return save_target_and_draft_dirs(tmp_path_factory.mktemp("cli_models"))
 
 
 @pytest.fixture()

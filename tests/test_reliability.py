@@ -27,10 +27,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
-from batchspec_cli.models import load_model
 from batchspec_cli.events import RowResult
 from batchspec_cli.runner import GenerateConfig, Generation, work_dir_for
-from conftest import make_tokenizer, save_tiny_model_dir
+from conftest import save_target_and_draft_dirs, make_tokenizer, save_tiny_model_dir
 
 torch.set_num_threads(1)
 cli = CliRunner()
@@ -42,15 +41,7 @@ COMPARED = ("id", "completion_token_ids", "finish_reason", "error", "prompt_toke
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target and a perturbed copy as its draft (mixed acceptance)."""
-    root = tmp_path_factory.mktemp("reliability_models")
-    target = save_tiny_model_dir(root / "target", seed=0)
-    draft = save_tiny_model_dir(root / "draft", seed=0)
-    model = load_model(str(draft)).model
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.01)
-    model.save_pretrained(draft)
-    return target, draft
+    return save_target_and_draft_dirs(tmp_path_factory.mktemp("reliability_models"))
 
 
 @pytest.fixture(scope="module")
