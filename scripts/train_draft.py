@@ -82,7 +82,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--train-minutes", type=float, default=38.0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--tokens-per-step", type=int, default=3072, help="padded tokens per optimizer step")
+    p.add_argument("--tokens-per-step", type=int, default=1536, help="padded tokens per optimizer step")
     p.add_argument("--hard-weight", type=float, default=0.5)
     p.add_argument("--train-vocab", choices=["auto", "full", "subset"], default="auto",
                    help="softmax over the vocabulary seen in the data (faster) or the full vocabulary")
@@ -107,14 +107,14 @@ def target_dir(args) -> str:
 
 
 def load_target(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The default target through batchspec's own loader (GGUF converted once and cached; no accelerate needed)."""
+    from batchspec_cli.models import load_model
 
     d = target_dir(args)
     t = time.time()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=args.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=args.gguf_file, dtype=torch.float32).eval()
+    loaded = load_model(str(Path(d) / args.gguf_file), dtype="float32", device="cpu", quiet=True)
     log(f"target loaded from {d} in {time.time() - t:.0f}s")
-    return model, tok
+    return loaded.model.eval(), loaded.tokenizer
 
 
 def cache_kw(model) -> str:
