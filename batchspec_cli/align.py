@@ -109,8 +109,13 @@ class SlotCache:
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
     def grow(self, needed: int) -> None:
-        """Enlarge every layer's capacity to at least ``needed`` columns (rare; doubles)."""
-        new_cap = max(needed, 2 * self.capacity)
+        """Enlarge every layer's capacity to at least ``needed`` columns.
+
+        Grows by a quarter (rounded up to 64 columns), not by doubling: the buffer holds a
+        whole pool of rows, so overshooting the longest row costs window x layers x heads
+        columns of memory.
+        """
+        new_cap = -(-max(needed, self.capacity + self.capacity // 4) // 64) * 64
         for buffers in (self.keys, self.values):
             for i, old in enumerate(buffers):
                 new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
