@@ -238,9 +238,6 @@ def _signal_name(signum: int | None) -> str | None:
     return None if signum is None else signal.Signals(signum).name
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
 
 @app.command()
 def verify(

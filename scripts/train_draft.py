@@ -28,7 +28,6 @@ import argparse
 import inspect
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -36,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
