@@ -161,7 +161,7 @@ def cache_dir() -> Path:
 
 
 def default_draft_path() -> Path | None:
-    """The draft shipped inside the package, when it has been built into it."""
+    """The draft shipped inside the package for the default target, when it is there."""
     path = Path(__file__).parent / "default_draft"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return path
@@ -368,6 +368,117 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
     if model.generation_config.pad_token_id is None and eos:
         model.generation_config.pad_token_id = eos[0]
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
+
+
+# --------------------------------------------------------------------------- drafts that borrow from the target
+
+SHARED_DRAFT_FILE = "batchspec_draft.json"
+"""Marker of a draft that stores only its decoder layers and final norm: its input
+embeddings are the target's, and its output head is the target's output-embedding rows of
+a subset of the vocabulary (``head_ids``). A small file, a wide draft, a cheap head."""
+
+
+class SubsetHead(torch.nn.Module):
+    """An output head over a subset of the vocabulary; every other token gets the dtype's
+    minimum logit (probability 0 after softmax, so rejection sampling stays exact)."""
+
+    def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [subset, hidden]
+        self.register_buffer("token_ids", token_ids.long(), persistent=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = hidden @ self.weight.T
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)
+        return full.index_copy_(-1, self.token_ids, logits)
+
+
+def embedding_digest(weight: torch.Tensor) -> list[float]:
+    """A few numbers that tell one embedding matrix from another (dtype-tolerant)."""
+    rows = torch.linspace(0, weight.shape[0] - 1, 16).long()
+    return [round(float(v), 4) for v in weight[rows].double().abs().mean(-1)]
+
+
+def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str = "auto",
+               quiet: bool = False) -> LoadedModel:
+    """Load a draft for ``target``, in the target's dtype and on its device.
+
+    A plain checkpoint loads as any model; a shared-embedding draft (``SHARED_DRAFT_FILE``)
+    is assembled from its own layers and the target's embeddings, and refused for a target
+    whose embeddings are not the ones it was trained against.
+    """
+    name, folder = _resolve(spec, quiet)
+    if not (folder / SHARED_DRAFT_FILE).is_file():
+        draft = load_model(spec, dtype, device, quiet)
+        draft.model.to(target.model.dtype)
+        return draft
+    from safetensors.torch import load_file
+    from transformers import GenerationConfig
+
+    tmodel = target.model
+    try:
+        meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
+        config = AutoConfig.from_pretrained(folder)
+        weights = load_file(str(folder / "model.safetensors"))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelError(f"cannot load draft '{name}': {_one_line(exc)}") from None
+    embed_in, embed_out = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
+    if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
+            embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
+        raise ModelError(f"draft '{name}' borrows the embeddings of {meta.get('target', 'another model')}; "
+                         f"they are not the embeddings of target '{target.name}'")
+    head_ids = weights.pop("head_ids")
+    with _quiet(quiet):
+        model = AutoModelForCausalLM.from_config(config, dtype=tmodel.dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.startswith(("model.embed_tokens.", "lm_head."))]
+    if missing or unexpected:
+        raise ModelError(f"draft '{name}' does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.model.embed_tokens = embed_in  # shared with the target, not a copy
+    ids = head_ids.long().to(embed_out.weight.device)
+    model.lm_head = SubsetHead(embed_out.weight.detach()[ids].clone(), ids, config.vocab_size)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    model = model.to(tmodel.device).eval()
+    model.requires_grad_(False)
+    check_supported(model, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
+
+
+def save_shared_draft(draft: PreTrainedModel, head_ids: torch.Tensor, target: PreTrainedModel,
+                      tokenizer: PreTrainedTokenizerBase, out: Path, target_name: str) -> None:
+    """Write a shared-embedding draft: ``draft``'s decoder layers and final norm in float16,
+    the head's token ids, its config, the target's tokenizer and the marker `load_draft` reads."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    state = {f"model.{k}": v.detach().to(torch.float16).contiguous()
+             for k, v in draft.model.state_dict().items() if not k.startswith(("embed_tokens.", "rotary_emb."))}
+    state["head_ids"] = head_ids.to(torch.int32).contiguous()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = draft.config
+    config.dtype = torch.float16
+    config.save_pretrained(out)
+    (out / SHARED_DRAFT_FILE).write_text(json.dumps({
+        "format": 1, "target": target_name,
+        "target_embedding_digest": embedding_digest(target.get_output_embeddings().weight),
+        "head_size": len(head_ids),
+        "about": "decoder layers and final norm only; the input embeddings and the output-head rows of "
+                 "head_ids are the target's (batchspec_cli.models.load_draft)",
+    }, indent=1))
+    generation = getattr(target, "generation_config", None)
+    if generation is not None:
+        GenerationConfig(bos_token_id=generation.bos_token_id, eos_token_id=generation.eos_token_id,
+                         pad_token_id=generation.pad_token_id, do_sample=False).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def embed_digest_differs(saved: list[float] | None, actual: list[float]) -> bool:
+    if not saved or len(saved) != len(actual):
+        return True
+    return any(abs(a - b) > 0.02 * max(abs(b), 1e-3) + 1e-3 for a, b in zip(actual, saved))
 
 
 # --------------------------------------------------------------------------- facts about a model

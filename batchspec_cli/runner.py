@@ -277,10 +277,9 @@ class Generation:
         self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=cfg.quiet)
         self.draft = None
         if draft_spec is not None and self.mode != "ar":
-            self.draft = models.load_model(draft_spec, cfg.dtype, cfg.device, quiet=cfg.quiet)
+            self.draft = models.load_draft(draft_spec, self.target, cfg.dtype, cfg.device, quiet=cfg.quiet)
             if self.draft.model.device != self.target.model.device:
                 raise UsageError("draft and target ended up on different devices")
-            self.draft.model.to(self.target.model.dtype)
         self.tokenizer = self.target.tokenizer
         self.eos_ids = models.eos_ids(self.target.model, self.tokenizer)
 

@@ -13,6 +13,7 @@ import torch
 from batchspec_cli import sampling
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, Sampling
+from batchspec_cli.models import SubsetHead
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)
@@ -108,10 +109,14 @@ def total_variation(counts: Counter, n: int, exact: dict) -> float:
     return 0.5 * sum(abs(counts.get(key, 0) / n - p) for key, p in exact.items())
 
 
-@pytest.mark.parametrize("mode", ["exspec", "ar"])
+@pytest.mark.parametrize("mode", ["exspec", "ar", "exspec-subset-head"])
 def test_sampled_distribution_matches_target(mode):
     target = make_tiny_llama(V, seed=2, layers=1, hidden=32, heads=2, kv_heads=1, eos_token_id=[], pad_token_id=0)
     draft = make_tiny_llama(V, seed=3, layers=1, hidden=32, heads=2, kv_heads=1, eos_token_id=[], pad_token_id=0)
+    if mode == "exspec-subset-head":  # q is zero outside the draft's head: the residual must supply those tokens
+        ids = torch.tensor([0, 2, 3, 6])
+        draft.lm_head = SubsetHead(draft.lm_head.weight[ids].clone(), ids, V)
+        mode = "exspec"
     prompt = [3, 5, 2]
     settings = Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=5)
     exact = exact_joint(target, prompt, settings)

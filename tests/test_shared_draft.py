@@ -1,0 +1,89 @@
+"""Shared-embedding drafts: the format the default draft ships in, its loader and its head."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from batchspec_cli import models
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+from batchspec_cli.events import Request, RowResult
+from conftest import greedy_reference, make_tokenizer, make_tiny_llama, perturbed_copy
+
+torch.set_num_threads(1)
+
+
+def write_shared_draft(target, tokenizer, out, head_ids, layers=1, noise=0.01):
+    """A draft made of the target's first layers (perturbed), saved in the shared-embedding format."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    draft = LlamaForCausalLM(config).to(target.dtype)
+    draft.model.layers = copy.deepcopy(target.model.layers[:layers])
+    draft.model.norm = copy.deepcopy(target.model.norm)
+    draft = perturbed_copy(draft, noise, seed=9)
+    out.mkdir()
+    models.save_shared_draft(draft, head_ids, target, tokenizer, out, target_name="tiny")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return make_tiny_llama(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+
+
+def loaded(model, tokenizer):
+    return models.LoadedModel(model=model, tokenizer=tokenizer, name="tiny-target", source="")
+
+
+def test_head_scores_its_tokens_and_rules_out_the_rest(target, tokenizer, tmp_path):
+    head_ids = torch.arange(0, len(tokenizer), 2)
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", head_ids)
+    draft = models.load_draft(str(path), loaded(target, tokenizer)).model
+    assert draft.model.embed_tokens is target.get_input_embeddings()  # shared, not stored
+    assert draft.dtype == target.dtype and not any(p.requires_grad for p in draft.parameters())
+    ids = torch.tensor([[5, 17, 33, 8]])
+    with torch.no_grad():
+        hidden = draft.model(input_ids=ids).last_hidden_state
+        logits = draft(input_ids=ids).logits
+    expected = hidden @ target.get_output_embeddings().weight[head_ids].T
+    assert torch.allclose(logits[..., head_ids], expected)
+    outside = torch.ones(len(tokenizer), dtype=torch.bool)
+    outside[head_ids] = False
+    assert (logits[..., outside] == torch.finfo(logits.dtype).min).all()
+    assert (path / "model.safetensors").stat().st_size < 2 * sum(p.numel() for p in draft.model.layers.parameters()) + 4096
+
+
+def test_refused_for_a_target_with_other_embeddings(target, tokenizer, tmp_path):
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", torch.arange(40))
+    other = make_tiny_llama(len(tokenizer), seed=5)
+    with pytest.raises(models.ModelError, match="borrows the embeddings"):
+        models.load_draft(str(path), loaded(other, tokenizer))
+
+
+@pytest.mark.parametrize("mode,batch_size", [("exspec", 3), ("eqspec", 4), ("exspec", 8)])
+def test_engine_with_a_shared_draft_equals_greedy(target, tokenizer, tmp_path, mode, batch_size):
+    import random
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(4, len(tokenizer)) for _ in range(rng.randint(1, 12))] for _ in range(12)]
+    eos = [tokenizer.eos_token_id]
+    refs = [greedy_reference(target, p, 12, eos) for p in prompts]
+    # A head that lacks some tokens the target picks: those positions must be rejected, never emitted wrongly.
+    head_ids = torch.tensor(sorted({t for r in refs for t in r[::2]} | set(range(0, len(tokenizer), 3))))
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", head_ids)
+    draft = models.load_draft(str(path), loaded(target, tokenizer)).model
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), eos,
+                    EngineConfig(mode=mode, k=3, batch_size=batch_size, window=2 * batch_size))
+    results = {e.row: e for e in engine.run(Request(row=i, id=str(i), prompt_ids=p, max_new_tokens=12)
+                                            for i, p in enumerate(prompts)) if isinstance(e, RowResult)}
+    assert [results[i].token_ids for i in range(len(prompts))] == refs
+    assert sum(r.accepted_tokens for r in results.values()) > 0
