@@ -190,31 +190,37 @@ def group_forward(model, cache: SlotCache, cache_kwarg: str, sel: Selection, inp
 
 
 def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tensor, dst: torch.Tensor,
-            new_end: int) -> int:
+            new_end: int | torch.Tensor) -> int:
     """Move rows ``src`` to slots ``dst`` so that each ends at column ``new_end``.
 
-    src, dst: [rows] slot indices (may overlap; all reads happen before writes).
-    caches: (cache, lag) pairs; a cache with lag ``l`` covers columns [0, end - l).
+    src, dst: [rows] slot indices (may overlap, e.g. a permutation: all reads happen
+    before writes). new_end: one column for every row, or a [rows] tensor (a row whose
+    new end equals its end only changes slot). caches: (cache, lag) pairs; a cache with
+    lag ``l`` covers columns [0, end - l).
     Each row is shifted by ``new_end - end``; index tensors are built once and each layer
     is moved with one gather and one scatter. Returns the KV entries (token x layer)
     actually copied, counted from the index tensors used.
     """
     if src.numel() == 0:
         return 0
+    new_end = torch.as_tensor(new_end, dtype=torch.long, device=src.device).expand(src.shape)
+    width = int(new_end.max())
     shift = new_end - layout.end[src]  # [rows]
-    layout.grow(new_end)
-    tok_cols = (torch.arange(new_end, device=src.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, new_end]
-    layout.tokens[dst, :new_end] = layout.tokens[src[:, None], tok_cols]
+    layout.grow(width)
+    # Columns past a row's own new end carry nothing; clamping keeps their (ignored) reads in bounds.
+    tok_cols = (torch.arange(width, device=src.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, width]
+    tok_cols = tok_cols.clamp(max=layout.tokens.shape[1] - 1)
+    layout.tokens[dst, :width] = layout.tokens[src[:, None], tok_cols]
     layout.pad[dst] = layout.pad[src] + shift
     layout.end[dst] = new_end
     moved = 0
     for cache, lag in caches:
-        length = new_end - lag
+        length = width - lag
         if length <= 0 or cache.n_layers == 0:
             continue
         if length > cache.capacity:
             cache.grow(length)
-        cols = tok_cols[:, :length]  # [rows, length]
+        cols = tok_cols[:, :length].clamp(max=cache.capacity - 1)  # [rows, length]
         heads = torch.arange(cache.keys[0].shape[1], device=src.device)
         index = (src[:, None, None], heads[None, :, None], cols[:, None, :])
         for buffers in (cache.keys, cache.values):

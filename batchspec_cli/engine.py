@@ -55,6 +55,14 @@ class ModelHandle:
     cache_kwarg: str  # "cache" or "past_key_values"
 
 
+def _contiguous_first(free: list[int], n: int) -> list[int]:
+    """n free slots, one contiguous run when there is one (the admitted group then reads views)."""
+    for i in range(len(free) - n + 1):
+        if free[i + n - 1] - free[i] == n - 1:
+            return free[i : i + n]
+    return free[:n]
+
+
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
                  stop_checker: StopChecker | None = None):
@@ -149,8 +157,9 @@ class Engine:
                     continue
                 chunk.append(req)
             if chunk:
-                yield from self._admit(chunk, free[: len(chunk)])
-                free = free[len(chunk):]
+                taken = _contiguous_first(free, len(chunk))
+                yield from self._admit(chunk, taken)
+                free = [s for s in free if s not in taken]
 
     def _admit(self, chunk: list[Request], slots: list[int]) -> Iterator[StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill both caches."""
@@ -231,7 +240,10 @@ class Engine:
         oldest = min(self.live, key=lambda s: self.last_run[s])
         starving = self.step_no - self.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
         if best_n >= max(1, math.ceil(self.cfg.min_group * size)) and not starving:
-            return [s for s in self.live if self.end_host[s] == best_end][:size], "same_length"
+            # Among the largest groups, the one that needs the fewest rows moved to sit in one slot range.
+            candidates = [[s for s in self.live if self.end_host[s] == e][:size]
+                          for e, n in sorted(by_end.items()) if min(n, size) == min(best_n, size)]
+            return min(candidates, key=self._assembly_cost), "same_length"
         # Fallback: the rows closest in padded length to the longest-waiting row.
         group = sorted(self.live, key=lambda s: (abs(self.end_host[s] - self.end_host[oldest]), s))[:size]
         return sorted(group), "realigned"
@@ -260,12 +272,17 @@ class Engine:
         started = time.perf_counter()
         k, dev = self.k, self.device
         pad_before = sum(self.pad_host[s] for s in slots)
-        moved, realign_s = 0, 0.0
-        if kind == "realigned":  # exspec fallback: bring the mixed group to one padded length
+        moved, realign_s, assembled, assemble_s = 0, 0.0, 0, 0.0
+        if kind == "realigned":  # exspec fallback: bring the mixed group to one padded length, contiguous
             t = time.perf_counter()
-            moved = self._realign_group(slots, max(self.end_host[s] for s in slots), compact=False)
+            slots, moved = self._assemble(slots, self._cheapest_end(slots))
             self._sync()
             realign_s += time.perf_counter() - t
+        elif self.cfg.mode == "exspec" and slots != list(range(slots[0], slots[0] + len(slots))):
+            t = time.perf_counter()  # same length but scattered over the pool: move it together once
+            slots, assembled = self._assemble(slots, None)
+            self._sync()
+            assemble_s = time.perf_counter() - t
         T = self.end_host[slots[0]]
         sel = selection(slots, dev)
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -327,8 +344,8 @@ class Engine:
             moved += self._realign_group(list(self.live), None, compact=True)
         self._sync()
         realign_s += time.perf_counter() - t3
-        gathered = sum(c.gathered for c, _ in self._caches())
-        gather_s = sum(c.gather_s for c, _ in self._caches())
+        gathered = assembled + sum(c.gathered for c, _ in self._caches())
+        gather_s = assemble_s + sum(c.gather_s for c, _ in self._caches())
         total = time.perf_counter() - started
         live_in_group = self.live if self.cfg.mode != "exspec" else [s for s in slots if self.rows[s] is not None]
         yield StepStats(
@@ -426,25 +443,88 @@ class Engine:
         if new_end is None:
             new_end = max(self.end_host[s] - self.pad_host[s] for s in slots)
         dst = list(range(len(slots))) if compact else list(slots)
-        moving = [(s, d) for s, d in zip(slots, dst) if s != d or self.end_host[s] != new_end]
+        moved = self._move([(s, d, new_end) for s, d in zip(slots, dst)])
+        if compact:
+            self.live = sorted(dst)
+        return moved
+
+    def _cheapest_end(self, slots: list[int]) -> int:
+        """The padded length a mixed group realigns to with the fewest rows moved.
+
+        Any end at or past the longest content is reachable (rows shift left into their
+        padding or right); of those, the one most rows already have, else the longest content.
+        """
+        floor = max(self.end_host[s] - self.pad_host[s] for s in slots)
+        ends = Counter(self.end_host[s] for s in slots if self.end_host[s] >= floor)
+        if not ends:
+            return floor
+        end, _ = max(ends.items(), key=lambda item: (item[1], -item[0]))
+        return end
+
+    def _window_for(self, slots: list[int]) -> tuple[int, int]:
+        """(first slot, rows moved) of the contiguous range that takes ``slots`` with the fewest moves.
+
+        Moving the group into [a, a+G) costs one move per member outside the range and one
+        per other live row inside it (it trades places with a member).
+        """
+        size, members = len(slots), set(slots)
+        best = (0, 2 * size + 1)
+        for a in range(self.n_slots - size + 1):
+            inside = range(a, a + size)
+            cost = sum(s not in members and self.rows[s] is not None for s in inside)
+            cost += size - sum(s in members for s in inside)
+            if cost < best[1]:
+                best = (a, cost)
+        return best
+
+    def _assembly_cost(self, slots: list[int]) -> int:
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            return 0
+        return self._window_for(slots)[1]
+
+    @torch.no_grad()
+    def _assemble(self, slots: list[int], new_end: int | None) -> tuple[list[int], int]:
+        """Make an exspec group one contiguous slot range (views, no per-forward gathers).
+
+        With ``new_end`` the rows are also realigned to that padded length in the same
+        move (the mixed-length fallback). Returns the group's new slots and KV entries moved.
+        """
+        a, _ = self._window_for(slots)
+        target = list(range(a, a + len(slots)))
+        members = set(slots)
+        outside = [s for s in slots if s not in target]
+        vacated = iter(outside)
+        plan = []
+        for s, d in zip([s for s in slots if s in target] + outside, [s for s in target if s in members] +
+                        [s for s in target if s not in members]):
+            plan.append((s, d, new_end if new_end is not None else self.end_host[s]))
+        for d in target:  # other rows inside the range trade places with the members that come in
+            if d not in members and self.rows[d] is not None:
+                plan.append((d, next(vacated), self.end_host[d]))
+        return target, self._move(plan)
+
+    def _move(self, plan: list[tuple[int, int, int]]) -> int:
+        """Move rows (src slot, dst slot, new padded length) in one realign call, bookkeeping with them."""
+        moving = [(s, d, e) for s, d, e in plan if s != d or self.end_host[s] != e]
         if not moving:
             return 0
-        src_t = torch.tensor([s for s, _ in moving], dtype=torch.long, device=self.device)
-        dst_t = torch.tensor([d for _, d in moving], dtype=torch.long, device=self.device)
-        moved = realign(self.layout, self._caches(), src_t, dst_t, new_end)
+        src_t = torch.tensor([s for s, _, _ in moving], dtype=torch.long, device=self.device)
+        dst_t = torch.tensor([d for _, d, _ in moving], dtype=torch.long, device=self.device)
+        ends = torch.tensor([e for _, _, e in moving], dtype=torch.long, device=self.device)
+        moved = realign(self.layout, self._caches(), src_t, dst_t, ends)
         # Move the per-slot bookkeeping with the rows (host lists first, from a snapshot).
         snapshot = {s: (self.rows[s], self.end_host[s], self.pad_host[s], self.last_run[s], self.texts[s])
-                    for s, _ in moving}
+                    for s, _, _ in moving}
         for t in (self.gen, self.max_new, self.drafted, self.accepted, self.rounds, self.keys, self.temperature,
                   self.top_k, self.top_p):
             t[dst_t] = t[src_t]
-        for s, _ in moving:
-            if s not in dst:
+        destinations = {d for _, d, _ in moving}
+        for s, _, _ in moving:
+            if s not in destinations:
                 self.rows[s], self.texts[s] = None, None
-        for s, d in moving:
+        for s, d, e in moving:
             row, end, pad, last, texts = snapshot[s]
-            self.rows[d], self.end_host[d], self.pad_host[d] = row, new_end, pad + new_end - end
+            self.rows[d], self.end_host[d], self.pad_host[d] = row, e, pad + e - end
             self.last_run[d], self.texts[d] = last, texts
-        if compact:
-            self.live = sorted(dst)
+        self.live = sorted(s for s in range(self.n_slots) if self.rows[s] is not None)
         return moved

@@ -63,6 +63,34 @@ def test_realign_compacts_rows_into_lower_slots():
     assert cache.keys[0][0, 0, 3:7, 0].tolist() == [203, 204, 205, 206]
 
 
+def test_realign_with_per_row_ends_swaps_rows_between_slots():
+    """EXSPEC assembles a group by trading slots; each row keeps (or gets) its own end."""
+    layout = docstring_example()
+    cache = marked_cache(3, 12, layers=1)
+    old_tokens = layout.tokens.clone()
+    # Row 0 (end 9) and row 2 (end 8) trade slots; row 2 is also realigned to end 9 on the way.
+    moved = realign(layout, [(cache, 1)], torch.tensor([0, 2]), torch.tensor([2, 0]), torch.tensor([9, 9]))
+    assert layout.end.tolist() == [9, 7, 9] and layout.pad.tolist() == [4, 0, 2]
+    assert layout.tokens[2, 2:9].tolist() == old_tokens[0, 2:9].tolist()
+    assert layout.tokens[0, 4:9].tolist() == old_tokens[2, 3:8].tolist()
+    assert cache.keys[0][2, 0, 2:8, 0].tolist() == list(range(2, 8))  # row 0's entries, same columns
+    assert cache.keys[0][0, 0, 4:8, 0].tolist() == list(range(203, 207))  # row 2's, shifted by one
+    assert moved == 2 * 8
+
+
+def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
+    layout = docstring_example()  # capacity 12
+    cache = marked_cache(3, 12, layers=1)
+    old_tokens = layout.tokens.clone()
+    # Row 0 shifts left by 2 (end 9 -> 7) while row 2 moves right to 11: reads past row 0's end are clamped.
+    realign(layout, [(cache, 1)], torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([7, 11]))
+    assert layout.end.tolist() == [7, 7, 11] and layout.pad.tolist() == [0, 0, 6]
+    assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
+    assert layout.tokens[2, 6:11].tolist() == old_tokens[2, 3:8].tolist()
+    assert cache.keys[0][0, 0, 0:6, 0].tolist() == list(range(2, 8))
+    assert cache.keys[0][2, 0, 6:10, 0].tolist() == list(range(203, 207))
+
+
 def test_realign_of_nothing_moves_nothing():
     layout = docstring_example()
     assert realign(layout, [(marked_cache(3, 12), 1)], torch.tensor([], dtype=torch.long),
