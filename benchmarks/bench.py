@@ -133,16 +133,17 @@ def plot(rows, path: Path, batch_sizes):
     except ImportError:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode in ("ar", "eqspec", "exspec"):
-        xs = [r["batch_size"] for r in rows if r["mode"] == mode]
-        left.plot(xs, [r["tokens_per_s"] for r in rows if r["mode"] == mode], marker="o", label=mode)
+    for mode, k in sorted({(r["mode"], r["k"]) for r in rows}):
+        mine = [r for r in rows if (r["mode"], r["k"]) == (mode, k)]
+        left.plot([r["batch_size"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o",
+                  label=mode + (f" k={k}" if k else ""))
     left.set(xlabel="batch size", ylabel="tokens/s", title="throughput", xticks=batch_sizes)
     left.legend()
     labels, draft, verify, realign, other = [], [], [], [], []
     for r in rows:
         if r["mode"] == "ar":
             continue
-        labels.append(f"{r['mode'][:2]}{r['batch_size']}")
+        labels.append(f"{r['mode'][:2]}{r['k']} b{r['batch_size']}")
         t = r["step_ms"]
         draft.append(t["draft"]), verify.append(t["verify"]), realign.append(t["realign_gather"])
         other.append(max(0.0, t["total"] - t["draft"] - t["verify"] - t["realign_gather"]))
@@ -157,13 +158,24 @@ def plot(rows, path: Path, batch_sizes):
     return path
 
 
+def print_row(r: dict) -> None:
+    def fmt(key, spec):
+        return format(r[key], spec) if r.get(key) is not None else "-"
+
+    print(f"{r['mode']:8} {r['k']:>2} {r['batch_size']:>5} {r['tokens_per_s']:>8.1f} {fmt('ratio_vs_ar', '6.2f'):>6} "
+          f"{fmt('decode_ratio_vs_ar', '6.2f'):>6} {r['acceptance_length']:>7.2f} {fmt('alpha', '6.2f'):>6} "
+          f"{fmt('ideal_speedup', '6.2f'):>6} {fmt('achieved_of_ideal', '8.0%'):>8} {fmt('hit_rate', '6.0%'):>6} "
+          f"{100 * r['realign_gather_share']:>13.1f}%", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--modes", nargs="+", default=["ar", "eqspec", "exspec"])
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("-k", "--draft-tokens", type=int, default=5)
+    parser.add_argument("-k", "--draft-tokens", type=int, nargs="+", default=[5],
+                        help="one or more k; the speculative modes run once per k")
     parser.add_argument("--target", default=None)
     parser.add_argument("--draft", default=None)
     parser.add_argument("--device", default="auto")
@@ -179,28 +191,33 @@ def main() -> None:
     if draft_spec is None:
         sys.exit("no draft: pass --draft (the default target's shipped draft is missing)")
     tgt = models.load_model(args.target, args.dtype, args.device, quiet=True)
-    drf = models.load_model(draft_spec, args.dtype, args.device, quiet=True)
-    drf.model.to(tgt.model.dtype)
+    drf = models.load_draft(draft_spec, tgt, args.dtype, args.device, quiet=True)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
     draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
     eos = models.eos_ids(tgt.model, tgt.tokenizer)
     prompt_ids = [render_prompt(tgt.tokenizer, p, True, None) for p in spec_bench_prompts(SPEC_BENCH, args.prompts)]
     reqs = requests(prompt_ids, args.max_new_tokens)
-    k = args.draft_tokens
+    ks = args.draft_tokens
     context = sum(map(len, prompt_ids)) // len(prompt_ids) + args.max_new_tokens // 2
 
     # Warm up both models once.
-    run_mode(target, draft, eos, reqs[:2], "eqspec", k, 2)
+    run_mode(target, draft, eos, reqs[:2], "eqspec", ks[0], 2)
 
+    print(f"Spec-Bench, {args.prompts} prompts, max_new_tokens {args.max_new_tokens}, k {' '.join(map(str, ks))}, "
+          f"device {tgt.model.device}, threads {torch.get_num_threads()}; acceptance length counts the bonus token; "
+          f"'vs ar' is end to end (prefill included), 'decode' excludes prefill and is what 'of ideal' uses",
+          flush=True)
+    print(f"{'mode':8} {'k':>2} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
+          f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}", flush=True)
     rows, mismatches = [], {}
     for batch_size in args.batch_sizes:
         t_step = forward_ms(tgt.model, target.cache_kwarg, batch_size, context, 1)
         c = forward_ms(drf.model, draft.cache_kwarg, batch_size, context, 1) / t_step
-        v = forward_ms(tgt.model, target.cache_kwarg, batch_size, context, k + 1) / t_step
-        outputs = {}
-        for mode in args.modes:
+        v = {k: forward_ms(tgt.model, target.cache_kwarg, batch_size, context, k + 1) / t_step for k in ks}
+        outputs, ar = {}, None
+        for mode, k in [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]:
             results, stats, wall = run_mode(target, draft, eos, reqs, mode, k, batch_size)
-            outputs[mode] = {row: r.token_ids for row, r in results.items()}
+            outputs[f"{mode}" + (f"-k{k}" if k else "")] = {row: r.token_ids for row, r in results.items()}
             row = {"mode": mode, "batch_size": batch_size, "k": k if mode != "ar" else 0,
                    **summarize(results, stats, wall, k)}
             row["step_ms"] = {"draft": sum(s.draft_ms for s in stats), "verify": sum(s.verify_ms for s in stats),
@@ -209,34 +226,22 @@ def main() -> None:
             if mode != "ar":
                 alpha = solve_alpha(row["accepted_per_round"], k)
                 expected = (1 - alpha ** (k + 1)) / (1 - alpha)
-                row.update(alpha=alpha, c=c, v=v, ideal_speedup=expected / (k * c + v))
+                row.update(alpha=alpha, c=c, v=v[k], ideal_speedup=expected / (k * c + v[k]))
+            ar = row if mode == "ar" else ar
+            if ar is not None:
+                row["ratio_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"]
+                row["decode_ratio_vs_ar"] = row["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
+                if "ideal_speedup" in row:  # the ideal models decoding only: compare decode time
+                    row["achieved_of_ideal"] = row["decode_ratio_vs_ar"] / row["ideal_speedup"]
             rows.append(row)
-        base = outputs.get("ar") or outputs[args.modes[0]]
+            print_row(row)
+        base = outputs.get("ar") or next(iter(outputs.values()))
         mismatches[batch_size] = {m: sum(out[r] != base[r] for r in base) for m, out in outputs.items()}
-        ar = next((r for r in rows if r["mode"] == "ar" and r["batch_size"] == batch_size), None)
-        for r in rows:
-            if r["batch_size"] == batch_size and ar:
-                r["ratio_vs_ar"] = r["tokens_per_s"] / ar["tokens_per_s"]
-                r["decode_ratio_vs_ar"] = r["decode_tokens_per_s"] / ar["decode_tokens_per_s"]
-                if "ideal_speedup" in r:  # the ideal models decoding only: compare decode time
-                    r["achieved_of_ideal"] = r["decode_ratio_vs_ar"] / r["ideal_speedup"]
 
-    print(f"Spec-Bench, {args.prompts} prompts, max_new_tokens {args.max_new_tokens}, k {k}, "
-          f"device {tgt.model.device}, threads {torch.get_num_threads()}; acceptance length counts the bonus token; "
-          f"'vs ar' is end to end (prefill included), 'decode' excludes prefill and is what 'of ideal' uses")
-    header = (f"{'mode':8} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
-              f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}")
-    print(header)
-    for r in rows:
-        fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
-        print(f"{r['mode']:8} {r['batch_size']:>5} {r['tokens_per_s']:>8.1f} {fmt('ratio_vs_ar', '6.2f'):>6} "
-              f"{fmt('decode_ratio_vs_ar', '6.2f'):>6} {r['acceptance_length']:>7.2f} {fmt('alpha', '6.2f'):>6} {fmt('ideal_speedup', '6.2f'):>6} "
-              f"{fmt('achieved_of_ideal', '8.0%'):>8} {fmt('hit_rate', '6.0%'):>6} "
-              f"{100 * r['realign_gather_share']:>13.1f}%")
     print("rows differing from ar:", json.dumps(mismatches))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out.with_suffix(".png"), args.batch_sizes)
-    record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": k,
+    record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": ks,
               "device": str(tgt.model.device), "threads": torch.get_num_threads(), "rows": rows,
               "mismatches_vs_ar": mismatches, "plot": str(png) if png else None}
     args.out.write_text(json.dumps(record, indent=1))
