@@ -468,11 +468,12 @@ class Engine:
         per other live row inside it (it trades places with a member).
         """
         size, members = len(slots), set(slots)
-        best = (0, 2 * size + 1)
-        for a in range(self.n_slots - size + 1):
-            inside = range(a, a + size)
-            cost = sum(s not in members and self.rows[s] is not None for s in inside)
-            cost += size - sum(s in members for s in inside)
+        # cost(a) = (members outside) + (other live rows inside), from running counts over the slots
+        weight = [(-1 if s in members else int(self.rows[s] is not None)) for s in range(self.n_slots)]
+        cost = size + sum(weight[:size])
+        best = (0, cost)
+        for a in range(1, self.n_slots - size + 1):
+            cost += weight[a + size - 1] - weight[a - 1]
             if cost < best[1]:
                 best = (a, cost)
         return best

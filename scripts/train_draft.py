@@ -69,7 +69,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=32, help="target log-probs stored per answer position")
     p.add_argument("--gen-minutes", type=float, default=22.0, help="time budget for training-data generation")
     p.add_argument("--max-train-prompts", type=int, default=100000)
+    p.add_argument("--extend-from", default=None,
+                   help="work dir of an earlier run: keep its held-out set and training answers, answer only new prompts")
     # model
+    p.add_argument("--arch", choices=["shared", "small"], default="shared",
+                   help="shared: the target's first --layers layers, its embeddings (not stored) and a head over "
+                        "the --head-size most frequent tokens; small: a from-scratch model of --width")
+    p.add_argument("--head-size", type=int, default=8192, help="shared arch: vocabulary of the draft's head")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -78,7 +84,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-pca-init", action="store_true")
     # training
     p.add_argument("--train-minutes", type=float, default=38.0)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="default 5e-4 (shared: pretrained layers), 3e-3 (small)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--tokens-per-step", type=int, default=1536, help="padded tokens per optimizer step")
     p.add_argument("--hard-weight", type=float, default=0.5)
@@ -193,11 +199,23 @@ def generate_data(model, tok, args, work: Path):
     rng = random.Random(args.seed)
     rng.shuffle(prompts)
     held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
+    old_recs = []
+    if args.extend_from:
+        old = Path(args.extend_from)
+        old_prompts = json.loads((old / "prompts.json").read_text())
+        held = old_prompts["heldout"]
+        done = set(held) | set(old_prompts["train"])
+        train = [p for p in train if p not in done]
+        old_recs = torch.load(old / "train.pt")
+        hpath = work / "heldout.pt"
+        if not hpath.exists():
+            torch.save(torch.load(old / "heldout.pt"), hpath)
+        log(f"extending {old}: {len(old_recs)} earlier answers kept, {len(train)} new prompts to answer")
     (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
     gen = torch.Generator().manual_seed(args.seed)
 
     hpath = work / "heldout.pt"
-    if args.reuse_data and hpath.exists():
+    if (args.reuse_data or args.extend_from) and hpath.exists():
         held_recs = torch.load(hpath)
         log(f"reusing {len(held_recs)} held-out answers")
     else:
@@ -215,7 +233,7 @@ def generate_data(model, tok, args, work: Path):
     if args.reuse_data and tpath.exists():
         recs = torch.load(tpath)
         log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
-        return held_recs, recs
+        return held_recs, old_recs + recs
     train_ids = render(tok, train)
     recs = []
     t0 = time.time()
@@ -233,7 +251,7 @@ def generate_data(model, tok, args, work: Path):
         torch.save(recs, tpath)
         n = sum(len(r["answer_ids"]) for r in recs)
         log(f"gen: {len(recs)} prompts, {n} answer tokens, {n / (time.time() - t0):.1f} tok/s overall")
-    return held_recs, recs
+    return held_recs, old_recs + recs
 
 
 # ----------------------------------------------------------------------------- draft
@@ -266,6 +284,71 @@ def make_draft(args, target):
     log(f"draft: {args.layers} layers, width {args.width}, {args.heads}/{args.kv_heads} heads, "
         f"mlp {args.intermediate}, {n / 1e6:.2f}M params ({2 * n / 2**20:.1f} MiB fp16)")
     return draft
+
+
+def pick_head_ids(recs, size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` tokens the target most often ranks first (then second, ...) in the training answers."""
+    score = torch.zeros(vocab, dtype=torch.float64)
+    for r in recs:
+        top = r["top_ids"].long()
+        for j in range(min(8, top.shape[1])):
+            score.index_add_(0, top[:, j], torch.full((top.shape[0],), 1000.0 ** -j, dtype=torch.float64))
+    score[EOS_ID] = float("inf")
+    return score.topk(size).indices.sort().values
+
+
+def make_shared_draft(args, target, head_ids):
+    """Draft = the target's first layers + final norm (trained), its embeddings and head rows (frozen)."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = args.layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[: args.layers]
+    cfg.tie_word_embeddings = True
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(cfg)
+    draft.model.embed_tokens = target.get_input_embeddings()
+    draft.model.layers = torch.nn.ModuleList(copy.deepcopy(target.model.layers[i]) for i in range(args.layers))
+    draft.model.norm = copy.deepcopy(target.model.norm)
+    draft.model.rotary_emb = copy.deepcopy(target.model.rotary_emb)
+    draft.lm_head = torch.nn.Identity()  # the loss applies the head rows itself
+    draft.requires_grad_(False)
+    for module in (draft.model.layers, draft.model.norm):
+        module.requires_grad_(True)
+    head = target.get_output_embeddings().weight.detach()[head_ids].clone()
+    n = sum(p.numel() for p in draft.model.layers.parameters()) + sum(p.numel() for p in draft.model.norm.parameters())
+    log(f"shared draft: target layers 0..{args.layers - 1}, head over {len(head_ids)} tokens; "
+        f"{n / 1e6:.2f}M stored params ({2 * n / 1e6:.1f} MB fp16)")
+    return draft, head
+
+
+def head_coverage(ex, head_ids, vocab) -> float:
+    inside = torch.zeros(vocab, dtype=torch.bool)
+    inside[head_ids] = True
+    labels = torch.cat([e["top_ids"][:, 0] for e in ex])
+    return float(inside[labels].float().mean())
+
+
+def save_shared_draft(draft, head_ids, target, tok, out: Path) -> int:
+    from batchspec_cli.models import save_shared_draft as write
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.iterdir():
+        if f.is_file():
+            f.unlink()
+    write(draft, head_ids, target, tok, out, target_name="SmolLM2-135M-Instruct")
+    tj = out / "tokenizer.json"
+    if tj.exists():  # compact JSON: same tokenizer, ~1/3 smaller
+        tj.write_text(json.dumps(json.loads(tj.read_text(encoding="utf-8")), ensure_ascii=False,
+                                 separators=(",", ":")), encoding="utf-8")
+    for f in sorted(out.iterdir()):
+        log(f"  {f.name}: {f.stat().st_size / 1e6:.2f} MB")
+    total = sum(f.stat().st_size for f in out.iterdir())
+    log(f"saved to {out}: {total / 1e6:.2f} MB ({total / 2**20:.2f} MiB)")
+    return total
 
 
 def build_examples(recs):
@@ -320,7 +403,7 @@ def hidden_at(draft, ids, am, rows, cols):
 
 
 @torch.no_grad()
-def evaluate(draft, ex, k=5, weight=None):
+def evaluate(draft, ex, k=5, weight=None, head_ids=None):
     """Teacher-forced greedy agreement with the target's argmax on answer positions.
 
     Also estimates the mean number of accepted drafts per round for k drafts (chain of
@@ -332,6 +415,8 @@ def evaluate(draft, ex, k=5, weight=None):
         ids, am, rows, cols, tid, _ = collate(ex, idx)
         h = hidden_at(draft, ids, am, rows, cols)
         pred = (h @ W.T).argmax(-1)
+        if head_ids is not None:
+            pred = head_ids[pred]
         ok = (pred == tid[:, 0]).tolist()
         # split per sequence for the chain statistic
         off = 0
@@ -351,20 +436,26 @@ def evaluate(draft, ex, k=5, weight=None):
     return acc, statistics.mean(chains) if chains else 0.0
 
 
-def train(draft, train_ex, val_ex, held_ex, args, log_every=20):
+def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
+    """Distil. ``head``: (frozen head rows, their token ids) of a shared draft, else the tied embeddings."""
     V = draft.config.vocab_size
     seen = torch.zeros(V, dtype=torch.bool)
     for e in train_ex:
         seen[e["top_ids"][:, : args.subset_topk].flatten()] = True
         seen[e["inp"]] = True
     n_seen = int(seen.sum())
-    use_subset = args.train_vocab == "subset" or (args.train_vocab == "auto" and n_seen < 0.6 * V)
-    sub = seen.nonzero().squeeze(1) if use_subset else torch.arange(V)
+    if head is not None:
+        use_subset, sub = True, head[1]
+    else:
+        use_subset = args.train_vocab == "subset" or (args.train_vocab == "auto" and n_seen < 0.6 * V)
+        sub = seen.nonzero().squeeze(1) if use_subset else torch.arange(V)
     remap = torch.full((V,), -1, dtype=torch.long)
     remap[sub] = torch.arange(len(sub))
-    log(f"training softmax over {len(sub)} of {V} tokens ({'subset seen in data' if use_subset else 'full'})")
+    log(f"training softmax over {len(sub)} of {V} tokens ({'subset' if use_subset else 'full'})")
+    ev = {} if head is None else {"weight": head[0], "head_ids": head[1]}
 
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = random.Random(args.seed)
     budget = args.train_minutes * 60
     t0 = time.time()
@@ -372,11 +463,11 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20):
     step, epoch, tokens = 0, 0, 0
     hist = []
     draft.train()
-    vacc, _ = evaluate(draft, val_ex)
-    acc, al = evaluate(draft, held_ex)
+    vacc, _ = evaluate(draft, val_ex, **ev)
+    acc, al = evaluate(draft, held_ex, **ev)
     log(f"eval before training: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
     evals = [(0.0, 0, vacc, acc)]
-    best = (vacc, 0, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+    best = (vacc, 0, {k: v.detach().clone() for k, v in draft.state_dict().items() if "embed_tokens" not in k})
     done = False
     while not done:
         epoch += 1
@@ -391,18 +482,21 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20):
                 g["lr"] = lr
             ids, am, rows, cols, tid, tlp = collate(train_ex, idx)
             h = hidden_at(draft, ids, am, rows, cols)
-            W = draft.get_input_embeddings().weight
-            logits = h @ W[sub].T if use_subset else h @ W.T
+            if head is not None:
+                logits = h @ head[0].T
+            else:
+                W = draft.get_input_embeddings().weight
+                logits = h @ W[sub].T if use_subset else h @ W.T
             logq = torch.log_softmax(logits, -1)
             tsub = remap[tid]
             valid = tsub >= 0
             p = torch.softmax(tlp.masked_fill(~valid, -1e4), -1)  # renormalised top-k target distribution
-            soft = -(p * logq.gather(1, tsub.clamp(min=0))).sum(-1)
-            hard = -logq.gather(1, tsub[:, :1].clamp(min=0)).squeeze(1)
+            soft = -(p * logq.gather(1, tsub.clamp(min=0))).sum(-1) * valid.any(-1)
+            hard = -logq.gather(1, tsub[:, :1].clamp(min=0)).squeeze(1) * valid[:, 0]  # argmax outside a head: no term
             loss = (soft + args.hard_weight * hard).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
             tokens += int(len(rows))
@@ -413,17 +507,18 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20):
                     f"train-agree {sum(x[1] for x in s) / len(s):.1%} tokens {tokens} "
                     f"({tokens / (time.time() - t0):.0f} tok/s)")
             if time.time() - last_eval > args.eval_every_min * 60:
-                vacc, _ = evaluate(draft, val_ex)
-                acc, al = evaluate(draft, held_ex)
+                vacc, _ = evaluate(draft, val_ex, **ev)
+                acc, al = evaluate(draft, held_ex, **ev)
                 evals.append(((time.time() - t0) / 60, step, vacc, acc))
                 log(f"eval: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
                 if vacc >= best[0]:
-                    best = (vacc, step, {k: v.detach().clone() for k, v in draft.state_dict().items()})
+                    best = (vacc, step, {k: v.detach().clone() for k, v in draft.state_dict().items()
+                                         if "embed_tokens" not in k})
                 last_eval = time.time()
-    vacc, _ = evaluate(draft, val_ex)
+    vacc, _ = evaluate(draft, val_ex, **ev)
     log(f"end of training: step {step}, val {vacc:.1%} (best earlier: {best[0]:.1%} at step {best[1]})")
     if vacc < best[0]:
-        draft.load_state_dict(best[2])
+        draft.load_state_dict(best[2], strict=False)
         log(f"restored the checkpoint of step {best[1]} (selected on the validation split, not the held-out set)")
     info = {"steps": step, "epochs": epoch, "train_tokens_seen": tokens, "train_minutes": (time.time() - t0) / 60,
             "softmax_vocab": len(sub), "evals": evals}
@@ -522,10 +617,14 @@ def main():
     if args.data_only:
         return
 
-    draft = make_draft(args, target)
+    if args.lr is None:
+        args.lr = 5e-4 if args.arch == "shared" else 3e-3
     n_val = max(1, min(24, len(recs) // 10))  # validation split of the training prompts: checkpoint choice
     train_ex, val_ex, held_ex = build_examples(recs[:-n_val]), build_examples(recs[-n_val:]), build_examples(held)
     log(f"{len(train_ex)} training sequences, {len(val_ex)} validation sequences")
+    if args.arch == "shared":
+        return main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work)
+    draft = make_draft(args, target)
     info, seen = train(draft, train_ex, val_ex, held_ex, args)
     fix_unseen_rows(draft, train_ex, seen)
     a_mem, _ = evaluate(draft, held_ex)
@@ -558,6 +657,41 @@ def main():
         "generation_minutes": gen_min, "total_minutes": (time.time() - T0) / 60, **info,
         "config": {k: getattr(d2.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                       "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "args": vars(args),
+    }
+    (work / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    log(f"done in {(time.time() - T0) / 60:.1f} min; report in {work / 'report.json'}")
+
+
+def main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work):
+    from batchspec_cli.models import LoadedModel, load_draft
+
+    vocab = target.config.vocab_size
+    head_ids = pick_head_ids(recs[: len(train_ex)], args.head_size, vocab)
+    cover = head_coverage(held_ex, head_ids, vocab)
+    log(f"head of {len(head_ids)} tokens covers {cover:.1%} of the held-out target argmax tokens (acceptance bound)")
+    draft, head = make_shared_draft(args, target, head_ids)
+    info, _ = train(draft, train_ex, val_ex, held_ex, args, head=(head, head_ids))
+    a_mem, _ = evaluate(draft, held_ex, weight=head, head_ids=head_ids)
+    log(f"final (fp32, in memory): held-out greedy acceptance {a_mem:.2%}")
+    out = Path(args.out)
+    size = save_shared_draft(draft, head_ids, target, tok, out)
+
+    # Reload through batchspec's own loader, as `batchspec generate` will.
+    d2 = load_draft(str(out), LoadedModel(target, tok, "default", ""), "float32", "cpu", quiet=True).model
+    acc, al = evaluate(d2, held_ex, weight=d2.lm_head.weight, head_ids=d2.lm_head.token_ids)
+    log(f"reloaded fp16 draft: held-out greedy acceptance {acc:.2%}, accepted/round(k=5) {al:.2f} (bonus not counted)")
+    times = step_times({"target": target, "draft": d2})
+    ratio = times["draft"] / times["target"]
+    log(f"batch-1 decode step (KV cache, {args.threads} thread): target {times['target'] * 1e3:.1f} ms, "
+        f"draft {times['draft'] * 1e3:.1f} ms, ratio {ratio:.3f} (1/{1 / ratio:.1f})")
+    report = {
+        "arch": "shared", "heldout_greedy_acceptance": acc, "accepted_per_round_k5": al, "head_coverage": cover,
+        "target_step_ms": times["target"] * 1e3, "draft_step_ms": times["draft"] * 1e3, "ratio": ratio,
+        "size_bytes": size, "train_answers": len(recs), "train_answer_tokens": n_tok,
+        "heldout_prompts": len(held), "heldout_tokens": sum(len(r["answer_ids"]) for r in held),
+        "generation_minutes": gen_min, "total_minutes": (time.time() - T0) / 60, **info,
+        "config": {"layers": args.layers, "hidden_size": target.config.hidden_size, "head_size": len(head_ids)},
         "args": vars(args),
     }
     (work / "report.json").write_text(json.dumps(report, indent=1, default=str))
