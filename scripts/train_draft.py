@@ -9,14 +9,17 @@ Pipeline (everything from this script, nothing downloaded):
 3. let the target answer them (mostly greedy, some sampled at T=0.7), with its own
    KV-cached decode loop that also stores the target's top-k log-probs at every
    answer position (soft labels for free, no second teacher-forced pass);
-4. train a small Llama (same 49152-token vocabulary, tied embeddings initialised
-   from a PCA projection of the target's embeddings) by distillation:
-   cross-entropy to the target's renormalised top-k distribution + hard CE on the
-   target's argmax, loss on answer tokens only;
-5. save it in float16 with the target's tokenizer to ``batchspec_cli/default_draft``;
-6. reload the saved directory standalone, measure held-out greedy acceptance
-   (teacher-forced argmax agreement) and the batch-1 KV-cached decode forward time
-   of draft vs target at the same thread count.
+4. build the draft. ``--arch shared`` (the shipped one): the target's first ``--layers``
+   layers and final norm, trained; the target's embeddings and the target's head rows of
+   the ``--head-size`` tokens it most often ranks first, frozen and not stored
+   (``batchspec_cli.models.load_draft`` re-attaches them). ``--arch small``: a from-scratch
+   Llama of ``--width`` with tied embeddings initialised from a PCA of the target's;
+5. distil: cross-entropy to the target's renormalised top-k distribution + hard CE on
+   the target's argmax, loss on answer tokens only;
+6. save it in float16 with the target's tokenizer to ``batchspec_cli/default_draft``,
+   reload it the way ``batchspec generate`` does, and measure held-out greedy acceptance
+   (teacher-forced argmax agreement) and the batch-1 KV-cached decode forward time of
+   draft vs target at the same thread count.
 
 Generated data is cached in ``--work-dir`` (``--reuse-data`` skips generation).
 Prints progress; meant to be run with ``nohup ... > /tmp/draft_train.log``.
@@ -77,13 +80,13 @@ def parse_args() -> argparse.Namespace:
                         "the --head-size most frequent tokens; small: a from-scratch model of --width")
     p.add_argument("--head-size", type=int, default=8192, help="shared arch: vocabulary of the draft's head")
     p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=None, help="default 4 (shared) or 2 (small)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--no-pca-init", action="store_true")
     # training
-    p.add_argument("--train-minutes", type=float, default=38.0)
+    p.add_argument("--train-minutes", type=float, default=42.0)
     p.add_argument("--lr", type=float, default=None, help="default 5e-4 (shared: pretrained layers), 3e-3 (small)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--tokens-per-step", type=int, default=1536, help="padded tokens per optimizer step")
@@ -619,6 +622,8 @@ def main():
 
     if args.lr is None:
         args.lr = 5e-4 if args.arch == "shared" else 3e-3
+    if args.layers is None:
+        args.layers = 4 if args.arch == "shared" else 2
     n_val = max(1, min(24, len(recs) // 10))  # validation split of the training prompts: checkpoint choice
     train_ex, val_ex, held_ex = build_examples(recs[:-n_val]), build_examples(recs[-n_val:]), build_examples(held)
     log(f"{len(train_ex)} training sequences, {len(val_ex)} validation sequences")
