@@ -46,9 +46,14 @@ import torch
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
 
 
+def is_run(slots: list[int]) -> bool:
+    """Whether the slots are one ascending contiguous run (the group reads views)."""
+    return slots == list(range(slots[0], slots[0] + len(slots)))
+
+
 def selection(slots: list[int], device: torch.device) -> Selection:
     """A slice when the slots are one ascending contiguous run (zero-copy views), else indices."""
-    if slots == list(range(slots[0], slots[0] + len(slots))):
+    if is_run(slots):
         return slice(slots[0], slots[0] + len(slots))
     return torch.tensor(slots, dtype=torch.long, device=device)
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import sampling
-from .align import Layout, SlotCache, group_forward, realign, selection
+from .align import Layout, SlotCache, group_forward, is_run, realign, selection
 from .events import Request, RowResult, StepStats
 
 StopChecker = Callable[[list[int], int], int | None]
@@ -278,7 +278,7 @@ class Engine:
             slots, moved = self._assemble(slots, self._cheapest_end(slots))
             self._sync()
             realign_s += time.perf_counter() - t
-        elif self.cfg.mode == "exspec" and slots != list(range(slots[0], slots[0] + len(slots))):
+        elif self.cfg.mode == "exspec" and not is_run(slots):
             t = time.perf_counter()  # same length but scattered over the pool: move it together once
             slots, assembled = self._assemble(slots, None)
             self._sync()
@@ -443,10 +443,7 @@ class Engine:
         if new_end is None:
             new_end = max(self.end_host[s] - self.pad_host[s] for s in slots)
         dst = list(range(len(slots))) if compact else list(slots)
-        moved = self._move([(s, d, new_end) for s, d in zip(slots, dst)])
-        if compact:
-            self.live = sorted(dst)
-        return moved
+        return self._move([(s, d, new_end) for s, d in zip(slots, dst)])
 
     def _cheapest_end(self, slots: list[int]) -> int:
         """The padded length a mixed group realigns to with the fewest rows moved.
@@ -479,9 +476,7 @@ class Engine:
         return best
 
     def _assembly_cost(self, slots: list[int]) -> int:
-        if slots == list(range(slots[0], slots[0] + len(slots))):
-            return 0
-        return self._window_for(slots)[1]
+        return 0 if is_run(slots) else self._window_for(slots)[1]
 
     @torch.no_grad()
     def _assemble(self, slots: list[int], new_end: int | None) -> tuple[list[int], int]:
@@ -491,18 +486,15 @@ class Engine:
         move (the mixed-length fallback). Returns the group's new slots and KV entries moved.
         """
         a, _ = self._window_for(slots)
-        target = list(range(a, a + len(slots)))
-        members = set(slots)
-        outside = [s for s in slots if s not in target]
-        vacated = iter(outside)
-        plan = []
-        for s, d in zip([s for s in slots if s in target] + outside, [s for s in target if s in members] +
-                        [s for s in target if s not in members]):
-            plan.append((s, d, new_end if new_end is not None else self.end_host[s]))
-        for d in target:  # other rows inside the range trade places with the members that come in
-            if d not in members and self.rows[d] is not None:
-                plan.append((d, next(vacated), self.end_host[d]))
-        return target, self._move(plan)
+        target = range(a, a + len(slots))
+        incoming = [s for s in slots if s not in target]
+        opening = [d for d in target if d not in slots]  # as many as incoming
+        plan = [(s, s, new_end) for s in slots if s in target] + [(s, d, new_end) for s, d in zip(incoming, opening)]
+        if new_end is None:
+            plan = [(s, d, self.end_host[s]) for s, d, _ in plan]
+        # A live row in an opening slot trades places with the member that comes in.
+        plan += [(d, s, self.end_host[d]) for s, d in zip(incoming, opening) if self.rows[d] is not None]
+        return list(target), self._move(plan)
 
     def _move(self, plan: list[tuple[int, int, int]]) -> int:
         """Move rows (src slot, dst slot, new padded length) in one realign call, bookkeeping with them."""

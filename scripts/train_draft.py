@@ -338,13 +338,22 @@ def head_coverage(ex, head_ids, vocab) -> float:
 def save_shared_draft(draft, head_ids, target, tok, out: Path) -> int:
     from batchspec_cli.models import save_shared_draft as write
 
+    empty_dir(out)
+    write(draft, head_ids, target, tok, out, target_name="SmolLM2-135M-Instruct")
+    return finish_dir(out)
+
+
+def empty_dir(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for f in out.iterdir():
         if f.is_file():
             f.unlink()
-    write(draft, head_ids, target, tok, out, target_name="SmolLM2-135M-Instruct")
+
+
+def finish_dir(out: Path) -> int:
+    """Compact the saved tokenizer.json (same tokenizer, ~1/3 smaller); log and return the directory's size."""
     tj = out / "tokenizer.json"
-    if tj.exists():  # compact JSON: same tokenizer, ~1/3 smaller
+    if tj.exists():
         tj.write_text(json.dumps(json.loads(tj.read_text(encoding="utf-8")), ensure_ascii=False,
                                  separators=(",", ":")), encoding="utf-8")
     for f in sorted(out.iterdir()):
@@ -554,24 +563,13 @@ def fix_unseen_rows(draft, train_ex, seen):
 def save_draft(draft, tok, out: Path):
     from transformers import GenerationConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    for f in out.iterdir():
-        if f.is_file():
-            f.unlink()
+    empty_dir(out)
     d = draft.half()
     d.config.dtype = torch.float16
     d.save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=EOS_ID, do_sample=False).save_pretrained(out)
     tok.save_pretrained(out)
-    tj = out / "tokenizer.json"
-    if tj.exists():  # compact JSON: same tokenizer, ~1/3 smaller
-        tj.write_text(json.dumps(json.loads(tj.read_text(encoding="utf-8")), ensure_ascii=False,
-                                 separators=(",", ":")), encoding="utf-8")
-    for f in sorted(out.iterdir()):
-        log(f"  {f.name}: {f.stat().st_size / 1e6:.2f} MB")
-    total = sum(f.stat().st_size for f in out.iterdir())
-    log(f"saved to {out}: {total / 1e6:.2f} MB ({total / 2**20:.2f} MiB)")
-    return total
+    return finish_dir(out)
 
 
 @torch.inference_mode()

@@ -144,7 +144,7 @@ def test_exspec_groups_same_length_rows_without_moving_kv(target, drafts, eos_id
     assert_equal_to_reference(results, refs)
     same = [s for s in stats if s.group_kind == "same_length"]
     assert same and all(s.kv_moved == 0 for s in same)  # same-length groups are never realigned
-    # Most of them need no KV copied at all: the group already sits in one slot range.
+    # Some of them need no KV copied at all: the group already sits in one slot range.
     untouched = [s for s in same if s.kv_gathered == 0]
     assert len(untouched) >= 3
     assert len(same) > len([s for s in stats if s.group_kind == "realigned"]), "grouping should mostly hit"

@@ -79,6 +79,7 @@ def test_engine_with_a_shared_draft_equals_greedy(target, tokenizer, tmp_path, m
     refs = [greedy_reference(target, p, 12, eos) for p in prompts]
     # A head that lacks some tokens the target picks: those positions must be rejected, never emitted wrongly.
     head_ids = torch.tensor(sorted({t for r in refs for t in r[::2]} | set(range(0, len(tokenizer), 3))))
+    assert any(t not in set(head_ids.tolist()) for r in refs for t in r)
     path = write_shared_draft(target, tokenizer, tmp_path / "draft", head_ids)
     draft = models.load_draft(str(path), loaded(target, tokenizer)).model
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), eos,
