@@ -10,8 +10,9 @@ chosen and what happens after the round:
   rows leave (their slots are compacted away).
 - ``exspec``: a pool of ``window`` slots; each step runs the largest group of rows with the
   same padded length (no realignment); when that group is smaller than
-  ``min_group`` x the batch, a mixed group of the rows closest in length is realigned
-  instead. New prompts are admitted into free slots as rows finish.
+  ``min_group`` x the batch, it is topped up with the rows closest in length, which are
+  realigned to it. New prompts are admitted into free slots as rows finish, one bucket
+  per prefill.
 
 One round (``_round``): 1. draft k tokens with the draft's persistent cache,
 2. verify them in one target forward, 3. accept, 4. commit (stops, bookkeeping) and
@@ -45,7 +46,7 @@ class EngineConfig:
     k: int = 5  # draft tokens per round
     batch_size: int = 8
     window: int = 32  # exspec pool size
-    min_group: float = 0.5  # exspec: fall back when the best same-length group < this x batch
+    min_group: float = 0.5  # exspec: a same-length group smaller than this x batch is topped up by realigned rows
     pad_id: int = 0
 
 
@@ -118,6 +119,7 @@ class Engine:
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
+        self.pending: Request | None = None  # read from the stream, waiting for the next admission
 
     def _caches(self) -> list[tuple[SlotCache, int]]:
         caches = [(self.tcache, 1)]
@@ -147,7 +149,7 @@ class Engine:
         while free and not self.exhausted:
             chunk = []
             while len(chunk) < min(len(free), self.cfg.batch_size):
-                req = next(stream, None)
+                req, self.pending = self.pending or next(stream, None), None
                 if req is None:
                     self.exhausted = True
                     break
@@ -155,6 +157,9 @@ class Engine:
                 if error:
                     yield RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
                     continue
+                if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
+                    self.pending = req
+                    break
                 chunk.append(req)
             if chunk:
                 taken = _contiguous_first(free, len(chunk))
@@ -165,11 +170,13 @@ class Engine:
         """Place prompts in free slots, left-padded to one padded length, and prefill both caches."""
         started = time.perf_counter()
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
-        moved = 0
+        moved, realign_s = 0, 0.0
         if self.cfg.mode != "exspec" and self.live:  # join the running batch at its common padded length
             batch_end = self.end_host[self.live[0]]
             if end > batch_end:
                 moved = self._realign_group(list(self.live), end, compact=False)
+                self._sync()
+                realign_s = time.perf_counter() - started
             end = max(end, batch_end)
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         self.layout.place(idx, [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
@@ -199,7 +206,7 @@ class Engine:
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=sum(self.pad_host[s] for s in slots),
                         pad_after=sum(self.pad_host[s] for s in slots), kv_moved=moved, kv_gathered=0, draft_ms=0.0,
-                        verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
+                        verify_ms=ms - realign_s * 1e3, realign_ms=realign_s * 1e3, gather_ms=0.0, total_ms=ms)
 
     @torch.no_grad()
     def _prefill(self, slots: list[int], end: int) -> None:
@@ -231,22 +238,35 @@ class Engine:
 
     # ------------------------------------------------------------------ grouping
     def _select(self) -> tuple[list[int], str]:
-        """Choose the next group (sorted slots) and its kind."""
+        """Choose the next group (sorted slots) and its kind.
+
+        exspec: the *core* is the largest group of rows with one padded length (the one
+        cheapest to bring into one slot range among equals), or the longest-waiting row's
+        group when a row starves. A core of at least ``min_group`` x the batch runs alone
+        (``same_length``: nothing realigned); a smaller one is topped up with the rows closest
+        to it in length, which alone are realigned to the core's length (``realigned``).
+        """
         if self.cfg.mode != "exspec":
             return self.live[: self.max_group], ("ar" if self.cfg.mode == "ar" else "same_length")
         size = min(self.max_group, len(self.live))
-        by_end = Counter(self.end_host[s] for s in self.live)
-        best_end, best_n = max(by_end.items(), key=lambda item: (item[1], -item[0]))
         oldest = min(self.live, key=lambda s: self.last_run[s])
         starving = self.step_no - self.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
-        if best_n >= max(1, math.ceil(self.cfg.min_group * size)) and not starving:
-            # Among the largest groups, the one that needs the fewest rows moved to sit in one slot range.
+        if starving:
+            end = self.end_host[oldest]
+            core = [oldest] + [s for s in self.live if self.end_host[s] == end and s != oldest][: size - 1]
+        else:
+            by_end = Counter(self.end_host[s] for s in self.live)
+            best_n = min(size, max(by_end.values()))
             candidates = [[s for s in self.live if self.end_host[s] == e][:size]
-                          for e, n in sorted(by_end.items()) if min(n, size) == min(best_n, size)]
-            return min(candidates, key=self._assembly_cost), "same_length"
-        # Fallback: the rows closest in padded length to the longest-waiting row.
-        group = sorted(self.live, key=lambda s: (abs(self.end_host[s] - self.end_host[oldest]), s))[:size]
-        return sorted(group), "realigned"
+                          for e, n in sorted(by_end.items()) if min(n, size) == best_n]
+            core = min(candidates, key=self._assembly_cost)
+        if len(core) >= max(1, math.ceil(self.cfg.min_group * size)):
+            return sorted(core), "same_length"
+        end, members = self.end_host[core[0]], set(core)
+        # Fillers: rows whose content fits the core's length first (only they move), nearest length first.
+        rest = sorted((s for s in self.live if s not in members),
+                      key=lambda s: (self.end_host[s] - self.pad_host[s] > end, abs(self.end_host[s] - end), s))
+        return sorted(core + rest[: size - len(core)]), "realigned"
 
     def _out_of_memory(self, slots: list[int]) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.

@@ -72,12 +72,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=32, help="target log-probs stored per answer position")
     p.add_argument("--gen-minutes", type=float, default=22.0, help="time budget for training-data generation")
     p.add_argument("--max-train-prompts", type=int, default=100000)
-    p.add_argument("--extend-from", default=None,
-                   help="work dir of an earlier run: keep its held-out set and training answers, answer only new prompts")
+    p.add_argument("--extend-from", nargs="+", default=None,
+                   help="work dirs of earlier runs: keep their held-out set and training answers, answer only new prompts")
     # model
     p.add_argument("--arch", choices=["shared", "small"], default="shared",
                    help="shared: the target's first --layers layers, its embeddings (not stored) and a head over "
                         "the --head-size most frequent tokens; small: a from-scratch model of --width")
+    p.add_argument("--init-from", default=None,
+                   help="shared arch: start from this shared draft's layers and head tokens (e.g. the shipped one)")
     p.add_argument("--head-size", type=int, default=8192, help="shared arch: vocabulary of the draft's head")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=None, help="default 4 (shared) or 2 (small)")
@@ -204,16 +206,17 @@ def generate_data(model, tok, args, work: Path):
     held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
     old_recs = []
     if args.extend_from:
-        old = Path(args.extend_from)
-        old_prompts = json.loads((old / "prompts.json").read_text())
-        held = old_prompts["heldout"]
-        done = set(held) | set(old_prompts["train"])
-        train = [p for p in train if p not in done]
-        old_recs = torch.load(old / "train.pt")
+        for d in map(Path, args.extend_from):
+            old_held = json.loads((d / "prompts.json").read_text())["heldout"]
+            if old_recs and old_held != held:
+                raise SystemExit(f"{d}: its held-out prompts differ from {args.extend_from[0]}'s")
+            held = old_held
+            old_recs += torch.load(d / "train.pt")
+        train = [p for p in train if p not in set(held)]
         hpath = work / "heldout.pt"
         if not hpath.exists():
-            torch.save(torch.load(old / "heldout.pt"), hpath)
-        log(f"extending {old}: {len(old_recs)} earlier answers kept, {len(train)} new prompts to answer")
+            torch.save(torch.load(Path(args.extend_from[0]) / "heldout.pt"), hpath)
+        log(f"extending {args.extend_from}: {len(old_recs)} earlier answers kept")
     (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -238,6 +241,9 @@ def generate_data(model, tok, args, work: Path):
         log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
         return held_recs, old_recs + recs
     train_ids = render(tok, train)
+    answered = {tuple(r["prompt_ids"]) for r in old_recs}  # an earlier run's answers (matched by token ids)
+    train_ids = [ids for ids in train_ids if tuple(ids) not in answered]
+    log(f"{len(train_ids)} prompts to answer")
     recs = []
     t0 = time.time()
     last = 0.0
@@ -670,10 +676,20 @@ def main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex,
     from batchspec_cli.models import LoadedModel, load_draft
 
     vocab = target.config.vocab_size
-    head_ids = pick_head_ids(recs[: len(train_ex)], args.head_size, vocab)
+    start = None
+    if args.init_from:
+        start = load_draft(args.init_from, LoadedModel(target, tok, "default", ""), "float32", "cpu", quiet=True).model
+        head_ids, args.layers = start.lm_head.token_ids.cpu(), start.config.num_hidden_layers
+    else:
+        head_ids = pick_head_ids(recs[: len(train_ex)], args.head_size, vocab)
     cover = head_coverage(held_ex, head_ids, vocab)
     log(f"head of {len(head_ids)} tokens covers {cover:.1%} of the held-out target argmax tokens (acceptance bound)")
     draft, head = make_shared_draft(args, target, head_ids)
+    if start is not None:
+        draft.model.layers.load_state_dict(start.model.layers.state_dict())
+        draft.model.norm.load_state_dict(start.model.norm.state_dict())
+        log(f"initialised from {args.init_from}: held-out greedy acceptance "
+            f"{evaluate(draft, held_ex, weight=head, head_ids=head_ids)[0]:.2%}")
     info, _ = train(draft, train_ex, val_ex, held_ex, args, head=(head, head_ids))
     a_mem, _ = evaluate(draft, held_ex, weight=head, head_ids=head_ids)
     log(f"final (fp32, in memory): held-out greedy acceptance {a_mem:.2%}")

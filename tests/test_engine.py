@@ -53,12 +53,12 @@ def references(target, prompts, eos_ids):
 
 
 def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, window=None, max_new=MAX_NEW,
-               pad_to=None):
-    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size)
+               pad_to=None, buckets=None, min_group=0.5):
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, min_group=min_group)
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
                     eos_ids, cfg)
-    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, pad_to=(pad_to or [0] * len(prompts))[i])
-                for i, p in enumerate(prompts)]
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, pad_to=(pad_to or [0] * len(prompts))[i],
+                        bucket=(buckets or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
     results, stats = {}, []
     for event in engine.run(requests):
         if isinstance(event, RowResult):
@@ -149,6 +149,19 @@ def test_exspec_groups_same_length_rows_without_moving_kv(target, drafts, eos_id
     assert len(untouched) >= 3
     assert len(same) > len([s for s in stats if s.group_kind == "realigned"]), "grouping should mostly hit"
     assert_stats_consistent(results, stats)
+
+
+def test_exspec_admission_never_pads_a_row_past_its_bucket(target, drafts, eos_ids):
+    """Free slots may take rows of two buckets at once: each bucket is prefilled at its own length."""
+    short, long = ragged_prompts(6, seed=21, lo=3, hi=6), ragged_prompts(6, seed=22, lo=30, hi=40)
+    prompts, pad_to, buckets = short + long, [6] * 6 + [40] * 6, [0] * 6 + [1] * 6
+    refs = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
+    results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=4,
+                                window=8, pad_to=pad_to, buckets=buckets)
+    assert_equal_to_reference(results, refs)
+    prefills = [s for s in stats if s.group_kind == "prefill"]
+    assert [s.bucket for s in prefills] == [0, 0, 1, 1]  # 4 short; 2 short + 2 long split in two; 4 long
+    assert sum(s.pad_before for s in prefills) == sum(t - len(p) for p, t in zip(prompts, pad_to))
 
 
 def test_exspec_streams_requests_lazily(target, drafts, eos_ids):
