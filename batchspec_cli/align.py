@@ -203,8 +203,9 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tens
     new end equals its end only changes slot). caches: (cache, lag) pairs; a cache with
     lag ``l`` covers columns [0, end - l).
     Each row is shifted by ``new_end - end``; index tensors are built once and each layer
-    is moved with one gather and one scatter. Returns the KV entries (token x layer)
-    actually copied, counted from the index tensors used.
+    is moved with one gather and one scatter of the rows' cached content only (no pad
+    columns, nothing past a row's end). Returns the KV entries (token x layer) actually
+    copied, counted from the index tensors used.
     """
     if src.numel() == 0:
         return 0
@@ -216,20 +217,27 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tens
     tok_cols = (torch.arange(width, device=src.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, width]
     tok_cols = tok_cols.clamp(max=layout.tokens.shape[1] - 1)
     layout.tokens[dst, :width] = layout.tokens[src[:, None], tok_cols]
-    layout.pad[dst] = layout.pad[src] + shift
+    new_pad = layout.pad[src] + shift
+    layout.pad[dst] = new_pad
     layout.end[dst] = new_end
     moved = 0
     for cache, lag in caches:
-        length = width - lag
-        if length <= 0 or cache.n_layers == 0:
+        if cache.n_layers == 0 or width - lag <= 0:
             continue
-        if length > cache.capacity:
-            cache.grow(length)
-        cols = tok_cols[:, :length].clamp(max=cache.capacity - 1)  # [rows, length]
-        heads = torch.arange(cache.keys[0].shape[1], device=src.device)
-        index = (src[:, None, None], heads[None, :, None], cols[:, None, :])
+        if width - lag > cache.capacity:
+            cache.grow(width - lag)
+        # Only each row's cached content moves: columns [new pad, new end - lag) of its new place.
+        # Pad columns are masked and columns past the end are rewritten before they are read.
+        lengths = (new_end - lag - new_pad).clamp(min=0)  # [rows]
+        total = int(lengths.sum())
+        if total == 0:
+            continue
+        row = torch.repeat_interleave(torch.arange(len(src), device=src.device), lengths)  # [total]
+        first = torch.cumsum(lengths, 0) - lengths
+        dst_col = new_pad[row] + torch.arange(total, device=src.device) - first[row]
+        src_col, src_row, dst_row = dst_col - shift[row], src[row], dst[row]
         for buffers in (cache.keys, cache.values):
             for layer in buffers:
-                layer[dst, :, :length] = layer[index]
-        moved += cols.numel() * cache.n_layers
+                layer[dst_row, :, dst_col] = layer[src_row, :, src_col]
+        moved += total * cache.n_layers
     return moved

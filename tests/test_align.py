@@ -49,8 +49,9 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
         assert torch.equal(target.values[layer], -target.keys[layer])
     # Draft cache (lag 2) covers [0, 5).
     assert draft.keys[0][0, 0, 0:5, 0].tolist() == [2, 3, 4, 5, 6]
-    # Moved = rows x covered columns x layers, over both caches (counted from the index tensors).
-    assert moved == 2 * 6 * 2 + 2 * 5 * 1
+    # Moved = each row's covered content columns (pads excluded) x layers, over both caches, counted from the
+    # index tensors: row 0 has content 7 (target covers 6, draft 5), row 2 content 5 (4 and 3).
+    assert moved == (6 + 4) * 2 + (5 + 3) * 1
 
 
 def test_realign_compacts_rows_into_lower_slots():
@@ -75,7 +76,7 @@ def test_realign_with_per_row_ends_swaps_rows_between_slots():
     assert layout.tokens[0, 4:9].tolist() == old_tokens[2, 3:8].tolist()
     assert cache.keys[0][2, 0, 2:8, 0].tolist() == list(range(2, 8))  # row 0's entries, same columns
     assert cache.keys[0][0, 0, 4:8, 0].tolist() == list(range(203, 207))  # row 2's, shifted by one
-    assert moved == 2 * 8
+    assert moved == 6 + 4  # content only: row 0 covers 6 columns, row 2 covers 4
 
 
 def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
