@@ -479,15 +479,18 @@ class Engine:
         return end
 
     def _window_for(self, slots: list[int]) -> tuple[int, int]:
-        """(first slot, rows moved) of the contiguous range that takes ``slots`` with the fewest moves.
+        """(first slot, KV columns moved) of the contiguous range that takes ``slots`` most cheaply.
 
-        Moving the group into [a, a+G) costs one move per member outside the range and one
-        per other live row inside it (it trades places with a member).
+        Moving the group into [a, a+G) moves every member outside the range and every other
+        live row inside it (it trades places with a member); each costs its content length
+        (``realign`` copies content only), so a long row stays put when a short one can move.
         """
         size, members = len(slots), set(slots)
-        # cost(a) = (members outside) + (other live rows inside), from running counts over the slots
-        weight = [(-1 if s in members else int(self.rows[s] is not None)) for s in range(self.n_slots)]
-        cost = size + sum(weight[:size])
+        content = [self.end_host[s] - self.pad_host[s] if self.rows[s] is not None else 0
+                   for s in range(self.n_slots)]
+        # cost(a) = (members' content outside) + (other rows' content inside), from running sums over the slots
+        weight = [-content[s] if s in members else content[s] for s in range(self.n_slots)]
+        cost = sum(content[s] for s in slots) + sum(weight[:size])
         best = (0, cost)
         for a in range(1, self.n_slots - size + 1):
             cost += weight[a + size - 1] - weight[a - 1]

@@ -247,3 +247,16 @@ def test_stop_checker_cuts_inside_a_round_and_stats_stay_consistent(target, draf
         ref = references[r.row]
         assert r.token_ids == ref[: len(r.token_ids)] and checker(r.token_ids, len(r.token_ids)) == len(r.token_ids)
     assert_stats_consistent(results, stats)
+
+
+def test_exspec_assembles_a_group_where_the_fewest_kv_entries_move(target, drafts, eos_ids):
+    """A scattered group goes to the slot range that copies the least KV, not the fewest rows."""
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["perturbed"], "cache"), eos_ids,
+                    EngineConfig(mode="exspec", k=2, batch_size=2, window=6))
+    engine._reset()
+    # slot 0: member, 100 tokens; slot 1: another row, 5 tokens; slot 4: member, 5 tokens; the rest free.
+    for slot, content in ((0, 100), (1, 5), (4, 5)):
+        engine.rows[slot] = Request(row=slot, id=str(slot), prompt_ids=[5] * content, max_new_tokens=4)
+        engine.end_host[slot], engine.pad_host[slot] = 100, 100 - content
+    # Range [0, 2) moves two short rows (10 entries per layer); [3, 5) would move one long row (100).
+    assert engine._window_for([0, 4]) == (0, 10)
