@@ -220,6 +220,7 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tens
     new_pad = layout.pad[src] + shift
     layout.pad[dst] = new_pad
     layout.end[dst] = new_end
+    content = new_end - new_pad  # [rows]
     moved = 0
     for cache, lag in caches:
         if cache.n_layers == 0 or width - lag <= 0:
@@ -228,11 +229,11 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tens
             cache.grow(width - lag)
         # Only each row's cached content moves: columns [new pad, new end - lag) of its new place.
         # Pad columns are masked and columns past the end are rewritten before they are read.
-        lengths = (new_end - lag - new_pad).clamp(min=0)  # [rows]
+        lengths = (content - lag).clamp(min=0)  # [rows]
         total = int(lengths.sum())
         if total == 0:
             continue
-        row = torch.repeat_interleave(torch.arange(len(src), device=src.device), lengths)  # [total]
+        row = torch.repeat_interleave(torch.arange(len(src), device=src.device), lengths, output_size=total)
         first = torch.cumsum(lengths, 0) - lengths
         dst_col = new_pad[row] + torch.arange(total, device=src.device) - first[row]
         src_col, src_row, dst_row = dst_col - shift[row], src[row], dst[row]

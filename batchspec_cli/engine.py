@@ -244,7 +244,8 @@ class Engine:
         cheapest to bring into one slot range among equals), or the longest-waiting row's
         group when a row starves. A core of at least ``min_group`` x the batch runs alone
         (``same_length``: nothing realigned); a smaller one is topped up with the rows closest
-        to it in length, which alone are realigned to the core's length (``realigned``).
+        to it in length (``realigned``: ``_round`` realigns the group to ``_cheapest_end``,
+        normally the core's length, so only the added rows move).
         """
         if self.cfg.mode != "exspec":
             return self.live[: self.max_group], ("ar" if self.cfg.mode == "ar" else "same_length")

@@ -206,16 +206,17 @@ def generate_data(model, tok, args, work: Path):
     held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
     old_recs = []
     if args.extend_from:
-        for d in map(Path, args.extend_from):
-            old_held = json.loads((d / "prompts.json").read_text())["heldout"]
-            if old_recs and old_held != held:
-                raise SystemExit(f"{d}: its held-out prompts differ from {args.extend_from[0]}'s")
-            held = old_held
+        dirs = [Path(d) for d in args.extend_from]
+        held = json.loads((dirs[0] / "prompts.json").read_text())["heldout"]
+        for d in dirs:
+            if json.loads((d / "prompts.json").read_text())["heldout"] != held:
+                raise SystemExit(f"{d}: its held-out prompts differ from {dirs[0]}'s")
             old_recs += torch.load(d / "train.pt")
-        train = [p for p in train if p not in set(held)]
+        held_set = set(held)
+        train = [p for p in train if p not in held_set]
         hpath = work / "heldout.pt"
         if not hpath.exists():
-            torch.save(torch.load(Path(args.extend_from[0]) / "heldout.pt"), hpath)
+            torch.save(torch.load(dirs[0] / "heldout.pt"), hpath)
         log(f"extending {args.extend_from}: {len(old_recs)} earlier answers kept")
     (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
     gen = torch.Generator().manual_seed(args.seed)
