@@ -42,6 +42,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
 
@@ -192,6 +195,45 @@ def group_forward(model, cache: SlotCache, cache_kwarg: str, sel: Selection, inp
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                 use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
     return out.logits
+
+
+FOLDED_SDPA = "batchspec_sdpa"
+_FOLD_MAX_QUERY = 64  # longer queries (prefill) repeat K/V: repeating the mask instead would cost more
+
+
+def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs):
+    """SDPA for grouped-query attention with an explicit mask that never repeats K/V.
+
+    Stock SDPA attention repeats every key/value head ``n_rep`` times (a copy of the whole
+    cache, per layer and forward) whenever a mask is given and the query is longer than one
+    token: every verify forward and every draft catch-up here. Instead, the ``n_rep`` query
+    heads that share a KV head are folded into the query length
+    (``[B, H, q, D] -> [B, H/n_rep, n_rep*q, D]``) and the mask, shared by all heads, is
+    repeated along it. This is stock SDPA's own one-token case (``pack_gqa``) for q > 1; all
+    other cases go to stock SDPA unchanged.
+    """
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, dim = query.shape
+    if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+            or q_len == 1 or q_len > _FOLD_MAX_QUERY or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    query = query.reshape(batch, heads // n_rep, n_rep * q_len, dim)
+    mask = attention_mask.repeat(1, 1, n_rep, 1)  # row r*q + i of the folded query is query row i
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(FOLDED_SDPA, _folded_sdpa)
+AttentionMaskInterface.register(FOLDED_SDPA, sdpa_mask)  # calls without a 4D mask build it as for SDPA
+
+
+def use_folded_sdpa(model) -> None:
+    """Switch a model that runs stock SDPA to ``_folded_sdpa`` (other implementations are left alone)."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        model.set_attn_implementation(FOLDED_SDPA)
 
 
 def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tensor, dst: torch.Tensor,

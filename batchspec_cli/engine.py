@@ -12,7 +12,9 @@ chosen and what happens after the round:
   same padded length (no realignment); when that group is smaller than
   ``min_group`` x the batch, it is topped up with the rows closest in length, which are
   realigned to it. New prompts are admitted into free slots as rows finish, one bucket
-  per prefill.
+  per prefill. A group whose rows all carry much padding (its longest row has left) is
+  trimmed to its longest content in the same move: attention reads every padded column
+  of every row in every later round, a move copies the content once.
 
 One round (``_round``): 1. draft k tokens with the draft's persistent cache,
 2. verify them in one target forward, 3. accept, 4. commit (stops, bookkeeping) and
@@ -30,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import sampling
-from .align import Layout, SlotCache, group_forward, is_run, realign, selection
+from .align import Layout, SlotCache, group_forward, is_run, realign, selection, use_folded_sdpa
 from .events import Request, RowResult, StepStats
 
 StopChecker = Callable[[list[int], int], int | None]
@@ -38,6 +40,7 @@ StopChecker = Callable[[list[int], int], int | None]
 
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
+_TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
 
 
 @dataclass
@@ -47,6 +50,7 @@ class EngineConfig:
     batch_size: int = 8
     window: int = 32  # exspec pool size
     min_group: float = 0.5  # exspec: a same-length group smaller than this x batch is topped up by realigned rows
+    trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
 
 
@@ -72,6 +76,9 @@ class Engine:
         if cfg.mode != "ar" and draft is None:
             raise ValueError(f"mode {cfg.mode} needs a draft model")
         self.target, self.draft, self.cfg = target, draft, cfg
+        for handle in (target, draft):  # multi-token forwards with a mask then copy no K/V
+            if handle is not None:
+                use_folded_sdpa(handle.model)
         self.k = 0 if cfg.mode == "ar" else cfg.k
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
@@ -244,7 +251,7 @@ class Engine:
         cheapest to bring into one slot range among equals), or the longest-waiting row's
         group when a row starves. A core of at least ``min_group`` x the batch runs alone
         (``same_length``: nothing realigned); a smaller one is topped up with the rows closest
-        to it in length (``realigned``: ``_round`` realigns the group to ``_cheapest_end``,
+        to it in length (``realigned``: ``_round`` realigns the group to ``_target_end``,
         normally the core's length, so only the added rows move).
         """
         if self.cfg.mode != "exspec":
@@ -294,16 +301,18 @@ class Engine:
         k, dev = self.k, self.device
         pad_before = sum(self.pad_host[s] for s in slots)
         moved, realign_s, assembled, assemble_s = 0, 0.0, 0, 0.0
-        if kind == "realigned":  # exspec fallback: bring the mixed group to one padded length, contiguous
-            t = time.perf_counter()
-            slots, moved = self._assemble(slots, self._cheapest_end(slots))
-            self._sync()
-            realign_s += time.perf_counter() - t
-        elif self.cfg.mode == "exspec" and not is_run(slots):
-            t = time.perf_counter()  # same length but scattered over the pool: move it together once
-            slots, assembled = self._assemble(slots, None)
-            self._sync()
-            assemble_s = time.perf_counter() - t
+        if self.cfg.mode == "exspec":
+            # A mixed group is brought to one padded length (the fallback), a same-length one
+            # loses padding it no longer needs; either way it becomes one contiguous slot range.
+            new_end = self._target_end(slots)
+            if new_end is not None or not is_run(slots):
+                t = time.perf_counter()
+                slots, n = self._assemble(slots, new_end)
+                self._sync()
+                if new_end is None:  # same length, scattered over the pool: moved together once
+                    assembled, assemble_s = n, time.perf_counter() - t
+                else:
+                    moved, realign_s = n, time.perf_counter() - t
         T = self.end_host[slots[0]]
         sel = selection(slots, dev)
         idx = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -466,17 +475,22 @@ class Engine:
         dst = list(range(len(slots))) if compact else list(slots)
         return self._move([(s, d, new_end) for s, d in zip(slots, dst)])
 
-    def _cheapest_end(self, slots: list[int]) -> int:
-        """The padded length a mixed group realigns to with the fewest rows moved.
+    def _target_end(self, slots: list[int]) -> int | None:
+        """The padded length an exspec group runs at, or None to keep the one its rows share.
 
-        Any end at or past the longest content is reachable (rows shift left into their
-        padding or right); of those, the one most rows already have, else the longest content.
+        Any end at or past the group's longest content is reachable (rows shift left into
+        their padding or right). Of those, the end most rows already have (fewest moved),
+        unless it leaves at least max(16, end / 8) pad columns in every row: then the
+        longest content. A pad column costs every later round an attention read per row
+        and layer (target and draft); a move copies a row's content once.
         """
-        floor = max(self.end_host[s] - self.pad_host[s] for s in slots)
+        floor = max(2, max(self.end_host[s] - self.pad_host[s] for s in slots))  # the draft re-reads 2 columns
         ends = Counter(self.end_host[s] for s in slots if self.end_host[s] >= floor)
-        if not ends:
-            return floor
-        end, _ = max(ends.items(), key=lambda item: (item[1], -item[0]))
+        end = max(ends.items(), key=lambda item: (item[1], -item[0]))[0] if ends else floor
+        if self.cfg.trim and end - floor >= max(_TRIM_MIN, end // _TRIM_FRACTION):
+            end = floor
+        if len(ends) == 1 and ends[end] == len(slots):
+            return None  # every row already ends there
         return end
 
     def _window_for(self, slots: list[int]) -> tuple[int, int]:

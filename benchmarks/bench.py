@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchspec_cli import models  # noqa: E402
+from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
@@ -78,8 +79,16 @@ def run_mode(target, draft, eos, reqs, mode, k, batch_size):
 
 @torch.no_grad()
 def forward_ms(model, kwarg: str, batch: int, context: int, new_tokens: int, repeats: int = 5) -> float:
-    """Median time of one bare forward of ``new_tokens`` tokens on a ``context``-token KV cache."""
+    """Median time of one bare forward of ``new_tokens`` tokens on a ``context``-token KV cache.
+
+    The forward gets an explicit 4D mask without padding, as the engine's forwards do, so
+    it runs the same attention kernels (``align.use_folded_sdpa``); nothing else of the
+    engine is involved.
+    """
     ids = torch.randint(100, 1000, (batch, context), device=model.device)
+    dtype = next(model.parameters()).dtype
+    mask, positions = attention_inputs(torch.zeros(batch, dtype=torch.long, device=model.device), context,
+                                       new_tokens, dtype)
     times = []
     for _ in range(repeats + 1):
         cache = DynamicCache()
@@ -88,7 +97,7 @@ def forward_ms(model, kwarg: str, batch: int, context: int, new_tokens: int, rep
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        model(input_ids=step, use_cache=True, **{kwarg: cache})
+        model(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **{kwarg: cache})
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
@@ -192,6 +201,8 @@ def main() -> None:
         sys.exit("no draft: pass --draft (the default target's shipped draft is missing)")
     tgt = models.load_model(args.target, args.dtype, args.device, quiet=True)
     drf = models.load_draft(draft_spec, tgt, args.dtype, args.device, quiet=True)
+    for model in (tgt.model, drf.model):  # as the engine runs them (bare forwards below included)
+        use_folded_sdpa(model)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
     draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
     eos = models.eos_ids(tgt.model, tgt.tokenizer)

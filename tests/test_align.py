@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from batchspec_cli import align
 from batchspec_cli.align import Layout, SlotCache, attention_inputs, realign, selection
+from conftest import TINY_VOCAB_SIZE, make_tiny_llama
 
 
 def marked_cache(n_slots: int, capacity: int, layers: int = 2) -> SlotCache:
@@ -132,3 +135,33 @@ def test_slot_cache_grows_when_a_row_runs_past_capacity():
     cache.bind(slice(0, 2), 4)
     keys, _ = cache.update(torch.full((2, 1, 3, 2), 9.0), torch.zeros(2, 1, 3, 2), 0)
     assert cache.capacity >= 7 and keys[:, :, :4].eq(7).all() and keys[:, :, 4:7].eq(9).all()
+
+
+@pytest.mark.parametrize("n_new", [1, 6, 70])
+def test_folded_sdpa_equals_stock_sdpa_on_padded_grouped_query_attention(n_new):
+    """The K/V-free GQA attention gives stock SDPA's logits on a left-padded group (prefix cached)."""
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=4, hidden=48, heads=6, kv_heads=2)  # 3 query heads per KV head
+    pad = torch.tensor([0, 3, 9])
+    prefix, start = 12, 12
+    tokens = torch.randint(4, TINY_VOCAB_SIZE, (3, prefix + n_new), generator=torch.Generator().manual_seed(n_new))
+    logits = {}
+    for impl in ("sdpa", align.FOLDED_SDPA):
+        model.set_attn_implementation(impl)
+        cache = SlotCache(3, 128)
+        sel = slice(0, 3)
+        align.group_forward(model, cache, "cache", sel, tokens[:, :prefix], pad, 0)
+        logits[impl] = align.group_forward(model, cache, "cache", sel, tokens[:, prefix:], pad, start)
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits[align.FOLDED_SDPA], logits["sdpa"], rtol=1e-10, atol=1e-10)
+
+
+def test_engine_switches_stock_sdpa_models_to_folded_sdpa():
+    from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+
+    target, draft = make_tiny_llama(TINY_VOCAB_SIZE, seed=0), make_tiny_llama(TINY_VOCAB_SIZE, seed=1)
+    eager = make_tiny_llama(TINY_VOCAB_SIZE, seed=2)
+    eager.set_attn_implementation("eager")
+    Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1], EngineConfig())
+    Engine(ModelHandle(eager, "cache"), None, [1], EngineConfig(mode="ar"))
+    assert target.config._attn_implementation == draft.config._attn_implementation == align.FOLDED_SDPA
+    assert eager.config._attn_implementation == "eager"  # a user's choice of kernel is kept

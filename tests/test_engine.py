@@ -260,3 +260,29 @@ def test_exspec_assembles_a_group_where_the_fewest_kv_entries_move(target, draft
         engine.end_host[slot], engine.pad_host[slot] = 100, 100 - content
     # Range [0, 2) moves two short rows (10 entries per layer); [3, 5) would move one long row (100).
     assert engine._window_for([0, 4]) == (0, 10)
+
+
+def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_ids):
+    """Short rows padded to a long prompt lose that padding in one move once the long row is done."""
+    prompts = [ragged_prompts(1, seed=31, lo=40, hi=40)[0]] + ragged_prompts(3, seed=32, lo=5, hi=8)
+    max_new = [1, 12, 12, 12]
+    refs = [greedy_reference(target, p, n, eos_ids) for p, n in zip(prompts, max_new)]
+    padding = {}
+    for trim in (True, False):
+        engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["perturbed"], "cache"), eos_ids,
+                        EngineConfig(mode="exspec", k=2, batch_size=4, window=8, trim=trim))
+        requests = [Request(row=i, id=str(i), prompt_ids=p, max_new_tokens=n, pad_to=40)
+                    for i, (p, n) in enumerate(zip(prompts, max_new))]
+        results, stats = {}, []
+        for event in engine.run(requests):
+            (stats.append if isinstance(event, StepStats) else lambda e: results.__setitem__(e.row, e))(event)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert_equal_to_reference(results, refs)
+        later = [s for s in stats if s.group_kind != "prefill"][1:]  # every round after the long row finished
+        assert later and all(s.batch_size <= 3 for s in later)
+        padding[trim] = sum(s.pad_before for s in later)
+        if trim:  # the first round without the long row moves its 32+ pad columns away from every short row
+            assert later[0].kv_moved > 0 and later[0].pad_after <= later[0].pad_before - 32 * later[0].batch_size
+        else:  # untrimmed, the rows run with the long prompt's padding until a fallback realignment
+            assert later[0].kv_moved == 0 and later[0].pad_before >= 32 * later[0].batch_size
+    assert padding[True] < padding[False] / 3
