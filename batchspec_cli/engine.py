@@ -250,7 +250,8 @@ class Engine:
         exspec: the *core* is the largest group of rows with one padded length (the one
         cheapest to bring into one slot range among equals), or the longest-waiting row's
         group when a row starves. A core of at least ``min_group`` x the batch runs alone
-        (``same_length``: nothing realigned); a smaller one is topped up with the rows closest
+        (``same_length``: no realignment needed; its padding may still be trimmed, see
+        ``_target_end``); a smaller one is topped up with the rows closest
         to it in length (``realigned``: ``_round`` realigns the group to ``_target_end``,
         normally the core's length, so only the added rows move).
         """
