@@ -53,11 +53,14 @@ def references(target, prompts, eos_ids):
 
 
 def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, window=None, max_new=MAX_NEW,
-               pad_to=None, buckets=None, min_group=0.5):
-    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, min_group=min_group)
+               pad_to=None, buckets=None, min_group=0.5, trim=True):
+    """Run the engine; ``max_new`` is one limit for every row or a list of per-row limits."""
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, min_group=min_group,
+                       trim=trim)
+    limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
                     eos_ids, cfg)
-    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, pad_to=(pad_to or [0] * len(prompts))[i],
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i], pad_to=(pad_to or [0] * len(prompts))[i],
                         bucket=(buckets or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
     results, stats = {}, []
     for event in engine.run(requests):
@@ -269,14 +272,8 @@ def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_id
     refs = [greedy_reference(target, p, n, eos_ids) for p, n in zip(prompts, max_new)]
     padding = {}
     for trim in (True, False):
-        engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["perturbed"], "cache"), eos_ids,
-                        EngineConfig(mode="exspec", k=2, batch_size=4, window=8, trim=trim))
-        requests = [Request(row=i, id=str(i), prompt_ids=p, max_new_tokens=n, pad_to=40)
-                    for i, (p, n) in enumerate(zip(prompts, max_new))]
-        results, stats = {}, []
-        for event in engine.run(requests):
-            (stats.append if isinstance(event, StepStats) else lambda e: results.__setitem__(e.row, e))(event)
-        assert sorted(results) == [0, 1, 2, 3]
+        results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=2, batch_size=4,
+                                    window=8, max_new=max_new, pad_to=[40] * 4, trim=trim)
         assert_equal_to_reference(results, refs)
         later = [s for s in stats if s.group_kind != "prefill"][1:]  # every round after the long row finished
         assert later and all(s.batch_size <= 3 for s in later)
