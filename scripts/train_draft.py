@@ -199,6 +199,12 @@ def render(tok, prompts: list[str]) -> list[list[int]]:
     return out
 
 
+def unanswered(prompt_ids: list[list[int]], old_recs) -> list[list[int]]:
+    """The prompts no earlier run has answered, matched by token ids (a record stores them as a tensor)."""
+    answered = {tuple(r["prompt_ids"].tolist()) for r in old_recs}
+    return [ids for ids in prompt_ids if tuple(ids) not in answered]
+
+
 def generate_data(model, tok, args, work: Path):
     prompts = build_prompts(args.n_prompts, seed=1234)
     rng = random.Random(args.seed)
@@ -242,8 +248,7 @@ def generate_data(model, tok, args, work: Path):
         log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
         return held_recs, old_recs + recs
     train_ids = render(tok, train)
-    answered = {tuple(r["prompt_ids"]) for r in old_recs}  # an earlier run's answers (matched by token ids)
-    train_ids = [ids for ids in train_ids if tuple(ids) not in answered]
+    train_ids = unanswered(train_ids, old_recs)
     log(f"{len(train_ids)} prompts to answer")
     recs = []
     t0 = time.time()
@@ -368,6 +373,27 @@ def finish_dir(out: Path) -> int:
     total = sum(f.stat().st_size for f in out.iterdir())
     log(f"saved to {out}: {total / 1e6:.2f} MB ({total / 2**20:.2f} MiB)")
     return total
+
+
+def split_validation(recs):
+    """Drops exact repeats, then splits off the last answers as validation (the checkpoint choice).
+
+    Rounds made before answered prompts were matched correctly re-answered some prompts; a greedy repeat is the
+    same example twice. No training answer shares a prompt with a validation answer, so validation stays unseen.
+    """
+    seen, unique = set(), []
+    for r in recs:
+        key = (tuple(r["prompt_ids"].tolist()), tuple(r["answer_ids"].tolist()))
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    n_val = max(1, min(24, len(unique) // 10))
+    val = unique[-n_val:]
+    val_prompts = {tuple(r["prompt_ids"].tolist()) for r in val}
+    train = [r for r in unique[:-n_val] if tuple(r["prompt_ids"].tolist()) not in val_prompts]
+    log(f"{len(recs) - len(unique)} repeated answers dropped; {len(unique) - n_val - len(train)} training answers "
+        f"dropped for sharing a prompt with validation")
+    return unique, train, val
 
 
 def build_examples(recs):
@@ -629,11 +655,12 @@ def main():
         args.lr = 5e-4 if args.arch == "shared" else 3e-3
     if args.layers is None:
         args.layers = 4 if args.arch == "shared" else 2
-    n_val = max(1, min(24, len(recs) // 10))  # validation split of the training prompts: checkpoint choice
-    train_ex, val_ex, held_ex = build_examples(recs[:-n_val]), build_examples(recs[-n_val:]), build_examples(held)
-    log(f"{len(train_ex)} training sequences, {len(val_ex)} validation sequences")
+    recs, train_recs, val_recs = split_validation(recs)
+    train_ex, val_ex, held_ex = build_examples(train_recs), build_examples(val_recs), build_examples(held)
+    n_tok = sum(len(r["answer_ids"]) for r in recs)
+    log(f"{len(train_ex)} training sequences, {len(val_ex)} validation sequences; {n_tok} unique answer tokens")
     if args.arch == "shared":
-        return main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work)
+        return main_shared(args, target, tok, recs, train_recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work)
     draft = make_draft(args, target)
     info, seen = train(draft, train_ex, val_ex, held_ex, args)
     fix_unseen_rows(draft, train_ex, seen)
@@ -673,7 +700,7 @@ def main():
     log(f"done in {(time.time() - T0) / 60:.1f} min; report in {work / 'report.json'}")
 
 
-def main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work):
+def main_shared(args, target, tok, recs, train_recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work):
     from batchspec_cli.models import LoadedModel, load_draft
 
     vocab = target.config.vocab_size
@@ -682,7 +709,7 @@ def main_shared(args, target, tok, recs, n_tok, gen_min, held, train_ex, val_ex,
         start = load_draft(args.init_from, LoadedModel(target, tok, "default", ""), "float32", "cpu", quiet=True).model
         head_ids, args.layers = start.lm_head.token_ids.cpu(), start.config.num_hidden_layers
     else:
-        head_ids = pick_head_ids(recs[: len(train_ex)], args.head_size, vocab)
+        head_ids = pick_head_ids(train_recs, args.head_size, vocab)
     cover = head_coverage(held_ex, head_ids, vocab)
     log(f"head of {len(head_ids)} tokens covers {cover:.1%} of the held-out target argmax tokens (acceptance bound)")
     draft, head = make_shared_draft(args, target, head_ids)
