@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 MODES = ["ar", "eqspec", "exspec"]
 HEADER = ("| mode | prompts | batch | tok/s | vs ar (end to end) | vs ar (decode only) | acceptance length (incl. bonus) "
@@ -23,7 +24,7 @@ def cell(row: dict, key: str, spec: str, percent: bool = False) -> str:
 def main(paths: list[str]) -> None:
     rows = []
     for path in paths:
-        record = json.load(open(path))
+        record = json.loads(Path(path).read_text())
         rows += [dict(row, prompts=record["prompts"]) for row in record["rows"]]
     rows.sort(key=lambda r: (r["batch_size"], r["prompts"], MODES.index(r["mode"]), r["k"]))
     print(HEADER)
