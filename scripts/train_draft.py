@@ -199,9 +199,14 @@ def render(tok, prompts: list[str]) -> list[list[int]]:
     return out
 
 
+def ids_key(rec, field: str = "prompt_ids") -> tuple[int, ...]:
+    """A record's token ids as a hashable key (records store them as tensors, which hash by identity)."""
+    return tuple(rec[field].tolist())
+
+
 def unanswered(prompt_ids: list[list[int]], old_recs) -> list[list[int]]:
-    """The prompts no earlier run has answered, matched by token ids (a record stores them as a tensor)."""
-    answered = {tuple(r["prompt_ids"].tolist()) for r in old_recs}
+    """The prompts no earlier run has answered, matched by token ids."""
+    answered = {ids_key(r) for r in old_recs}
     return [ids for ids in prompt_ids if tuple(ids) not in answered]
 
 
@@ -383,14 +388,14 @@ def split_validation(recs):
     """
     seen, unique = set(), []
     for r in recs:
-        key = (tuple(r["prompt_ids"].tolist()), tuple(r["answer_ids"].tolist()))
+        key = (ids_key(r), ids_key(r, "answer_ids"))
         if key not in seen:
             seen.add(key)
             unique.append(r)
     n_val = max(1, min(24, len(unique) // 10))
     val = unique[-n_val:]
-    val_prompts = {tuple(r["prompt_ids"].tolist()) for r in val}
-    train = [r for r in unique[:-n_val] if tuple(r["prompt_ids"].tolist()) not in val_prompts]
+    val_prompts = {ids_key(r) for r in val}
+    train = [r for r in unique[:-n_val] if ids_key(r) not in val_prompts]
     log(f"{len(recs) - len(unique)} repeated answers dropped; {len(unique) - n_val - len(train)} training answers "
         f"dropped for sharing a prompt with validation")
     return unique, train, val
