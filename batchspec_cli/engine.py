@@ -10,8 +10,8 @@ chosen and what happens after the round:
   rows leave (their slots are compacted away).
 - ``exspec``: a pool of ``window`` slots; each step runs the largest group of rows with the
   same padded length (no realignment); when that group is smaller than
-  ``min_group`` x the batch, it is topped up with the rows closest in length, which are
-  realigned to it. New prompts are admitted into free slots as rows finish, one bucket
+  ``min_group`` x the batch (by default: than a full batch), it is topped up with the rows
+  closest in length, which are realigned to it (the EQSPEC fallback, for those rows only). New prompts are admitted into free slots as rows finish, one bucket
   per prefill. A group whose rows all carry much padding (its longest row has left) is
   trimmed to its longest content in the same move: attention reads every padded column
   of every row in every later round, a move copies the content once.
@@ -49,7 +49,9 @@ class EngineConfig:
     k: int = 5  # draft tokens per round
     batch_size: int = 8
     window: int = 32  # exspec pool size
-    min_group: float = 0.5  # exspec: a same-length group smaller than this x batch is topped up by realigned rows
+    # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
+    # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
+    min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
 

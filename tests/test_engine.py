@@ -53,10 +53,11 @@ def references(target, prompts, eos_ids):
 
 
 def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, window=None, max_new=MAX_NEW,
-               pad_to=None, buckets=None, min_group=0.5, trim=True):
+               pad_to=None, buckets=None, min_group=None, trim=True):
     """Run the engine; ``max_new`` is one limit for every row or a list of per-row limits."""
-    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, min_group=min_group,
-                       trim=trim)
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, trim=trim)
+    if min_group is not None:
+        cfg.min_group = min_group
     limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
                     eos_ids, cfg)
@@ -105,13 +106,17 @@ MATRIX = [
     ("exspec", 9, 6, "perturbed"), ("exspec", 10, 7, "self"), ("exspec", 12, 8, "perturbed"),
     ("exspec", 14, 1, "perturbed"), ("exspec", 15, 5, "random"), ("exspec", 16, 3, "perturbed"),
 ]
+# exspec's default tops every short group up to a full batch; these run same-length groups of at least half a batch alone
+HALF_GROUPS = [("exspec", 3, 4, "perturbed"), ("exspec", 8, 2, "perturbed"), ("exspec", 16, 5, "random")]
 
 
-@pytest.mark.parametrize("mode,batch_size,k,draft_name", MATRIX)
-def test_speculative_equals_greedy(target, drafts, prompts, eos_ids, references, mode, batch_size, k, draft_name):
+@pytest.mark.parametrize("mode,batch_size,k,draft_name,min_group",
+                         [m + (None,) for m in MATRIX] + [m + (0.5,) for m in HALF_GROUPS])
+def test_speculative_equals_greedy(target, drafts, prompts, eos_ids, references, mode, batch_size, k, draft_name,
+                                   min_group):
     window = {1: 3, 4: 8, 8: 12}.get(batch_size)  # several pool sizes, including tight ones
     results, stats = run_engine(target, drafts[draft_name], prompts, eos_ids, mode=mode, k=k, batch_size=batch_size,
-                                window=window)
+                                window=window, min_group=min_group)
     assert_equal_to_reference(results, references)
     assert_stats_consistent(results, stats)
 
@@ -143,7 +148,7 @@ def test_exspec_groups_same_length_rows_without_moving_kv(target, drafts, eos_id
     prompts = ragged_prompts(40, seed=11, lo=8, hi=14)
     refs = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
     results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=4,
-                                window=16, pad_to=[14] * len(prompts))
+                                window=16, pad_to=[14] * len(prompts), min_group=0.5)
     assert_equal_to_reference(results, refs)
     same = [s for s in stats if s.group_kind == "same_length"]
     assert same and all(s.kv_moved == 0 for s in same)  # same-length groups are never realigned
@@ -265,7 +270,8 @@ def test_exspec_assembles_a_group_where_the_fewest_kv_entries_move(target, draft
     assert engine._window_for([0, 4]) == (0, 10)
 
 
-def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_ids):
+@pytest.mark.parametrize("min_group", [None, 0.5])
+def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_ids, min_group):
     """Short rows padded to a long prompt lose that padding in one move once the long row is done."""
     prompts = [ragged_prompts(1, seed=31, lo=40, hi=40)[0]] + ragged_prompts(3, seed=32, lo=5, hi=8)
     max_new = [1, 12, 12, 12]
@@ -273,13 +279,14 @@ def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_id
     padding = {}
     for trim in (True, False):
         results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=2, batch_size=4,
-                                    window=8, max_new=max_new, pad_to=[40] * 4, trim=trim)
+                                    window=8, max_new=max_new, pad_to=[40] * 4, trim=trim, min_group=min_group)
         assert_equal_to_reference(results, refs)
         later = [s for s in stats if s.group_kind != "prefill"][1:]  # every round after the long row finished
         assert later and all(s.batch_size <= 3 for s in later)
         padding[trim] = sum(s.pad_before for s in later)
         if trim:  # the first round without the long row moves its 32+ pad columns away from every short row
-            assert later[0].kv_moved > 0 and later[0].pad_after <= later[0].pad_before - 32 * later[0].batch_size
-        else:  # untrimmed, the rows run with the long prompt's padding until a fallback realignment
-            assert later[0].kv_moved == 0 and later[0].pad_before >= 32 * later[0].batch_size
+            # (what stays is the short rows' own length differences: they are 5-8 tokens long)
+            assert later[0].kv_moved > 0 and later[0].pad_after <= later[0].pad_before - 30 * later[0].batch_size
+        else:  # untrimmed, the rows keep the long prompt's padding (a fallback realignment moves only the others)
+            assert later[0].pad_after >= 32 * later[0].batch_size
     assert padding[True] < padding[False] / 3
