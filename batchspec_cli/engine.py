@@ -11,10 +11,11 @@ chosen and what happens after the round:
 - ``exspec``: a pool of ``window`` slots; each step runs the largest group of rows with the
   same padded length (no realignment); when that group is smaller than
   ``min_group`` x the batch (by default: than a full batch), it is topped up with the rows
-  closest in length, which are realigned to it (the EQSPEC fallback, for those rows only). New prompts are admitted into free slots as rows finish, one bucket
-  per prefill. A group whose rows all carry much padding (its longest row has left) is
-  trimmed to its longest content in the same move: attention reads every padded column
-  of every row in every later round, a move copies the content once.
+  closest in length, which are realigned to it (the EQSPEC fallback, for those rows only).
+  New prompts are admitted into free slots as rows finish, one bucket per prefill. A group
+  whose rows all carry much padding (its longest row has left) is trimmed to its longest
+  content in the same move: attention reads every padded column of every row in every
+  later round, a move copies the content once.
 
 One round (``_round``): 1. draft k tokens with the draft's persistent cache,
 2. verify them in one target forward, 3. accept, 4. commit (stops, bookkeeping) and
