@@ -454,9 +454,9 @@ def save_shared_draft(draft: PreTrainedModel, head_ids: torch.Tensor, target: Pr
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    state = {f"model.{k}": v.detach().to(torch.float16).contiguous()
+    state = {f"model.{k}": v.detach().to("cpu", torch.float16).contiguous()
              for k, v in draft.model.state_dict().items() if not k.startswith(("embed_tokens.", "rotary_emb."))}
-    state["head_ids"] = head_ids.to(torch.int32).contiguous()
+    state["head_ids"] = head_ids.to("cpu", torch.int32).contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = draft.config
     config.dtype = torch.float16

@@ -61,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reuse-data", action="store_true", help="reuse generated data in --work-dir if present")
     p.add_argument("--data-only", action="store_true", help="stop after data generation")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where the target answers and the draft trains (cpu, cuda)")
     p.add_argument("--seed", type=int, default=0)
     # data
     p.add_argument("--n-prompts", type=int, default=3000)
@@ -121,7 +122,7 @@ def load_target(args):
 
     d = target_dir(args)
     t = time.time()
-    loaded = load_model(str(Path(d) / args.gguf_file), dtype="float32", device="cpu", quiet=True)
+    loaded = load_model(str(Path(d) / args.gguf_file), dtype="float32", device=args.device, quiet=True)
     log(f"target loaded from {d} in {time.time() - t:.0f}s")
     return loaded.model.eval(), loaded.tokenizer
 
@@ -133,10 +134,14 @@ def cache_kw(model) -> str:
 
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, gen: torch.Generator):
-    """KV-cached decode with left padding; returns per-row answer ids and top-k log-probs."""
+    """KV-cached decode with left padding; returns per-row answer ids and top-k log-probs.
+
+    Each step's tokens stay on the model's device until the end (no host sync per row or token): a row is
+    active for a prefix of the steps, so its answer is its column of the step tensors up to its length."""
     from transformers import DynamicCache
 
     kw = cache_kw(model)
+    dev = model.device
     B = len(prompts)
     L = max(len(p) for p in prompts)
     ids = torch.full((B, L), EOS_ID, dtype=torch.long)
@@ -144,15 +149,14 @@ def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, g
     for i, p in enumerate(prompts):
         ids[i, L - len(p):] = torch.tensor(p)
         am[i, L - len(p):] = 1
+    ids, am = ids.to(dev), am.to(dev)
     pos = (am.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
-    rows = torch.arange(B)  # original row index of each active row
-    samp = torch.tensor(sampled)
+    rows = torch.arange(B, device=dev)  # original row index of each active row
+    samp = torch.tensor(sampled, device=dev)
     next_pos = pos[:, -1] + 1
-    ans = [[] for _ in range(B)]
-    tids = [[] for _ in range(B)]
-    tlps = [[] for _ in range(B)]
+    steps = []  # (active rows, chosen token, top-k ids, top-k log-probs) per step
     for step in range(args.max_new_tokens):
         logits = out.logits[:, -1].float()
         lp = torch.log_softmax(logits, -1)
@@ -162,10 +166,7 @@ def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, g
         if s.any():
             probs = torch.softmax(logits[s] / args.temperature, -1)
             nxt[s] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-        for j, r in enumerate(rows.tolist()):
-            ans[r].append(int(nxt[j]))
-            tids[r].append(top_id[j])
-            tlps[r].append(top_lp[j])
+        steps.append((rows, nxt, top_id, top_lp))
         keep = nxt != EOS_ID
         if step == args.max_new_tokens - 1 or not keep.any():
             break
@@ -173,20 +174,28 @@ def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, g
             idx = keep.nonzero().squeeze(1)
             cache.batch_select_indices(idx)
             rows, am, next_pos, nxt = rows[idx], am[idx], next_pos[idx], nxt[idx]
-        am = torch.cat([am, torch.ones((am.shape[0], 1), dtype=am.dtype)], 1)
+        am = torch.cat([am, torch.ones((am.shape[0], 1), dtype=am.dtype, device=dev)], 1)
         out = model(input_ids=nxt[:, None], attention_mask=am, position_ids=next_pos[:, None],
                     use_cache=True, **{kw: cache})
         next_pos = next_pos + 1
-    recs = []
-    for i in range(B):
-        recs.append({
-            "prompt_ids": torch.tensor(prompts[i], dtype=torch.int32),
-            "answer_ids": torch.tensor(ans[i], dtype=torch.int32),
-            "top_ids": torch.stack(tids[i]).to(torch.int32),
-            "top_lp": torch.stack(tlps[i]).to(torch.float16),
-            "sampled": bool(sampled[i]),
-        })
-    return recs
+    T = len(steps)
+    ans = torch.zeros((B, T), dtype=torch.int32)
+    tids = torch.zeros((B, T, args.topk), dtype=torch.int32)
+    tlps = torch.zeros((B, T, args.topk), dtype=torch.float16)
+    n = torch.zeros(B, dtype=torch.long)
+    for t, (r, x, ti, tl) in enumerate(steps):
+        r = r.cpu()
+        ans[r, t] = x.to("cpu", torch.int32)
+        tids[r, t] = ti.to("cpu", torch.int32)
+        tlps[r, t] = tl.to("cpu", torch.float16)
+        n[r] += 1
+    return [{
+        "prompt_ids": torch.tensor(prompts[i], dtype=torch.int32),
+        "answer_ids": ans[i, : n[i]].clone(),
+        "top_ids": tids[i, : n[i]].clone(),
+        "top_lp": tlps[i, : n[i]].clone(),
+        "sampled": bool(sampled[i]),
+    } for i in range(B)]
 
 
 def render(tok, prompts: list[str]) -> list[list[int]]:
@@ -230,7 +239,7 @@ def generate_data(model, tok, args, work: Path):
             torch.save(torch.load(dirs[0] / "heldout.pt"), hpath)
         log(f"extending {args.extend_from}: {len(old_recs)} earlier answers kept")
     (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
 
     hpath = work / "heldout.pt"
     if (args.reuse_data or args.extend_from) and hpath.exists():
@@ -257,7 +266,7 @@ def generate_data(model, tok, args, work: Path):
     log(f"{len(train_ids)} prompts to answer")
     recs = []
     t0 = time.time()
-    last = 0.0
+    last, saved = 0.0, t0
     budget = args.gen_minutes * 60
     for i in range(0, len(train_ids), args.gen_batch):
         el = time.time() - t0
@@ -268,9 +277,12 @@ def generate_data(model, tok, args, work: Path):
         tb = time.time()
         recs += generate_batch(model, chunk, samp, args, gen)
         last = time.time() - tb
-        torch.save(recs, tpath)
+        if time.time() - saved > 60:  # a killed run keeps its answers up to the last minute
+            torch.save(recs, tpath)
+            saved = time.time()
         n = sum(len(r["answer_ids"]) for r in recs)
         log(f"gen: {len(recs)} prompts, {n} answer tokens, {n / (time.time() - t0):.1f} tok/s overall")
+    torch.save(recs, tpath)
     return held_recs, old_recs + recs
 
 
@@ -338,7 +350,8 @@ def make_shared_draft(args, target, head_ids):
     draft.requires_grad_(False)
     for module in (draft.model.layers, draft.model.norm):
         module.requires_grad_(True)
-    head = target.get_output_embeddings().weight.detach()[head_ids].clone()
+    W = target.get_output_embeddings().weight.detach()
+    head = W[head_ids.to(W.device)].clone()
     n = sum(p.numel() for p in draft.model.layers.parameters()) + sum(p.numel() for p in draft.model.norm.parameters())
     log(f"shared draft: target layers 0..{args.layers - 1}, head over {len(head_ids)} tokens; "
         f"{n / 1e6:.2f}M stored params ({2 * n / 1e6:.1f} MB fp16)")
@@ -447,6 +460,10 @@ def collate(ex, idx):
     return ids, am, torch.cat(rows), torch.cat(cols), torch.cat(tid), torch.cat(tlp)
 
 
+def to_device(tensors, dev):
+    return tuple(t.to(dev, non_blocking=True) for t in tensors)
+
+
 def hidden_at(draft, ids, am, rows, cols):
     h = draft.model(input_ids=ids, attention_mask=am, use_cache=False).last_hidden_state
     return h[rows, cols]
@@ -460,9 +477,11 @@ def evaluate(draft, ex, k=5, weight=None, head_ids=None):
     agreements starting at each position, capped at k; bonus token not counted)."""
     draft.eval()
     W = draft.get_input_embeddings().weight if weight is None else weight
+    dev = W.device
+    head_ids = None if head_ids is None else head_ids.to(dev)
     agree_all = []
     for idx in batches(ex, 4096):
-        ids, am, rows, cols, tid, _ = collate(ex, idx)
+        ids, am, rows, cols, tid, _ = to_device(collate(ex, idx), dev)
         h = hidden_at(draft, ids, am, rows, cols)
         pred = (h @ W.T).argmax(-1)
         if head_ids is not None:
@@ -499,8 +518,10 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
     else:
         use_subset = args.train_vocab == "subset" or (args.train_vocab == "auto" and n_seen < 0.6 * V)
         sub = seen.nonzero().squeeze(1) if use_subset else torch.arange(V)
-    remap = torch.full((V,), -1, dtype=torch.long)
-    remap[sub] = torch.arange(len(sub))
+    dev = next(p for p in draft.parameters() if p.requires_grad).device
+    sub = sub.to(dev)
+    remap = torch.full((V,), -1, dtype=torch.long, device=dev)
+    remap[sub] = torch.arange(len(sub), device=dev)
     log(f"training softmax over {len(sub)} of {V} tokens ({'subset' if use_subset else 'full'})")
     ev = {} if head is None else {"weight": head[0], "head_ids": head[1]}
 
@@ -530,7 +551,7 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
             lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids, am, rows, cols, tid, tlp = collate(train_ex, idx)
+            ids, am, rows, cols, tid, tlp = to_device(collate(train_ex, idx), dev)
             h = hidden_at(draft, ids, am, rows, cols)
             if head is not None:
                 logits = h @ head[0].T
@@ -610,6 +631,11 @@ def save_draft(draft, tok, out: Path):
     return finish_dir(out)
 
 
+def sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 @torch.inference_mode()
 def step_times(models, prompt_len=64, steps=24, rounds=3):
     """Median batch-1 single-token decode time with a KV cache, models interleaved."""
@@ -620,14 +646,16 @@ def step_times(models, prompt_len=64, steps=24, rounds=3):
     for _ in range(rounds):
         for name, m in models.items():
             kw = cache_kw(m)
-            ids = torch.randint(100, 20000, (1, prompt_len), generator=g)
+            ids = torch.randint(100, 20000, (1, prompt_len), generator=g).to(m.device)
             cache = DynamicCache()
             out = m(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             for i in range(steps):
+                sync(m.device)
                 t = time.perf_counter()
                 out = m(input_ids=nxt, use_cache=True, **{kw: cache})
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                sync(m.device)
                 if i >= 2:
                     res[name].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in res.items()}
@@ -656,6 +684,8 @@ def main():
     if args.data_only:
         return
 
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # training only: the answers above were made in full float32
     if args.lr is None:
         args.lr = 5e-4 if args.arch == "shared" else 3e-3
     if args.layers is None:
@@ -711,7 +741,8 @@ def main_shared(args, target, tok, recs, train_recs, n_tok, gen_min, held, train
     vocab = target.config.vocab_size
     start = None
     if args.init_from:
-        start = load_draft(args.init_from, LoadedModel(target, tok, "default", ""), "float32", "cpu", quiet=True).model
+        start = load_draft(args.init_from, LoadedModel(target, tok, "default", ""), "float32", args.device,
+                           quiet=True).model
         head_ids, args.layers = start.lm_head.token_ids.cpu(), start.config.num_hidden_layers
     else:
         head_ids = pick_head_ids(train_recs, args.head_size, vocab)
@@ -730,7 +761,7 @@ def main_shared(args, target, tok, recs, train_recs, n_tok, gen_min, held, train
     size = save_shared_draft(draft, head_ids, target, tok, out)
 
     # Reload through batchspec's own loader, as `batchspec generate` will.
-    d2 = load_draft(str(out), LoadedModel(target, tok, "default", ""), "float32", "cpu", quiet=True).model
+    d2 = load_draft(str(out), LoadedModel(target, tok, "default", ""), "float32", args.device, quiet=True).model
     acc, al = evaluate(d2, held_ex, weight=d2.lm_head.weight, head_ids=d2.lm_head.token_ids)
     log(f"reloaded fp16 draft: held-out greedy acceptance {acc:.2%}, accepted/round(k=5) {al:.2f} (bonus not counted)")
     times = step_times({"target": target, "draft": d2})

@@ -39,3 +39,35 @@ def test_repeats_are_dropped_and_no_training_answer_shares_a_validation_prompt()
     assert len(train) == len(unique) - len(val) - 1   # the earlier answer to [1, 39] left training
     keys = [(tuple(r["prompt_ids"].tolist()), tuple(r["answer_ids"].tolist())) for r in train + val]
     assert len(keys) == len(set(keys))
+
+
+def test_batched_answers_are_each_prompts_own_greedy_decode(monkeypatch):
+    """`generate_batch` (left-padded batch, rows finishing at different steps) stores for every greedy row
+    exactly the per-prompt greedy answer, its top-k ids ranked from it, and log-probs that sum below 0."""
+    import types
+    from collections import Counter
+
+    from conftest import greedy_reference, make_tiny_llama
+
+    model = make_tiny_llama(61, seed=5, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 61, (int(n),), generator=g).tolist() for n in (3, 11, 7, 1, 9, 5)]
+    # A random model seldom says its EOS: make "end" the token its greedy answers say most often.
+    EOS_ID = Counter(t for p in prompts for t in greedy_reference(model, p, 20, [])).most_common(1)[0][0]
+    monkeypatch.setattr(train_draft, "EOS_ID", EOS_ID)
+    refs = [greedy_reference(model, p, 20, [EOS_ID]) for p in prompts]
+    assert len({len(r) for r in refs}) > 3, "rows must finish at different steps for this test to bite"
+    args = types.SimpleNamespace(max_new_tokens=20, topk=4, temperature=0.7)
+    sampled = [False, True, False, False, True, False]
+    recs = train_draft.generate_batch(model, prompts, sampled, args, torch.Generator().manual_seed(0))
+    for rec, prompt, ref, samp in zip(recs, prompts, refs, sampled):
+        assert rec["prompt_ids"].tolist() == prompt and rec["sampled"] == samp
+        n = len(rec["answer_ids"])
+        assert rec["top_ids"].shape == (n, 4) and rec["top_lp"].shape == (n, 4)
+        assert bool((rec["top_lp"].float().exp().sum(-1) <= 1.001).all())
+        if not samp:
+            assert rec["answer_ids"].tolist() == ref
+            assert rec["top_ids"][:, 0].tolist() == ref
+        else:  # a sampled row stops at EOS or the limit, and its top-k still ranks the target's argmax first
+            assert n == 20 or rec["answer_ids"][-1] == EOS_ID
+            assert EOS_ID not in rec["answer_ids"][:-1].tolist()
