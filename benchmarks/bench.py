@@ -12,13 +12,14 @@ The *ideal* speed-up ``E / (k*c + v)`` uses ``E = (1 - a^(k+1)) / (1 - a)`` with
 per-token acceptance solved from the measured accepted drafts per round, and ``c`` / ``v``
 the draft step and k+1-token verify forward costs in target-step units, measured by
 separate benchmarks of the bare model forwards at that batch size (not the engine's
-timers). A table for people, then one JSON line for machines; a PNG plot next to the JSON.
+timers), interleaved so that load from elsewhere cancels in the ratios. A table for people, then one JSON line for machines; a PNG plot next to the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -78,30 +79,51 @@ def run_mode(target, draft, eos, reqs, mode, k, batch_size):
 
 
 @torch.no_grad()
-def forward_ms(model, kwarg: str, batch: int, context: int, new_tokens: int, repeats: int = 5) -> float:
-    """Median time of one bare forward of ``new_tokens`` tokens on a ``context``-token KV cache.
+def forward_costs(target: ModelHandle, draft: ModelHandle, batch: int, context: int, ks: list[int],
+                  repeats: int = 25) -> tuple[float, dict[int, float], float]:
+    """(c, {k: v}, target step ms) from bare forwards on a ``context``-token KV cache.
 
-    The forward gets an explicit 4D mask without padding, as the engine's forwards do, so
-    it runs the same attention kernels (``align.use_folded_sdpa``); nothing else of the
-    engine is involved.
+    Each model's cache is filled once; every timed forward is cropped off again. One repeat
+    times the target's 1-token step, the draft's 1-token step and the target's (k+1)-token
+    verify back to back, so c and v are medians of per-repeat ratios: load from elsewhere that
+    drifts over the measurement cancels in the ratio. The forwards get an explicit 4D mask
+    without padding, as the engine's forwards do, so they run the same attention kernels
+    (``align.use_folded_sdpa``); nothing else of the engine is involved.
     """
-    ids = torch.randint(100, 1000, (batch, context), device=model.device)
-    dtype = next(model.parameters()).dtype
-    mask, positions = attention_inputs(torch.zeros(batch, dtype=torch.long, device=model.device), context,
-                                       new_tokens, dtype)
-    times = []
-    for _ in range(repeats + 1):
-        cache = DynamicCache()
-        model(input_ids=ids, use_cache=True, **{kwarg: cache})
-        step = torch.randint(100, 1000, (batch, new_tokens), device=model.device)
-        if model.device.type == "cuda":
+    device = target.model.device
+    ids = torch.randint(100, 1000, (batch, context), device=device)
+    caches = {}
+    for name, handle in (("target", target), ("draft", draft)):
+        caches[name] = DynamicCache()
+        handle.model(input_ids=ids, use_cache=True, **{handle.cache_kwarg: caches[name]})
+
+    def timed(name: str, handle: ModelHandle, new_tokens: int) -> float:
+        dtype = next(handle.model.parameters()).dtype
+        mask, positions = attention_inputs(torch.zeros(batch, dtype=torch.long, device=device), context,
+                                           new_tokens, dtype)
+        step = torch.randint(100, 1000, (batch, new_tokens), device=device)
+        if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        model(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True, **{kwarg: cache})
-        if model.device.type == "cuda":
+        handle.model(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True,
+                     **{handle.cache_kwarg: caches[name]})
+        if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times[1:])[len(times[1:]) // 2] * 1e3
+        elapsed = time.perf_counter() - t
+        caches[name].crop(-new_tokens)  # back to the context (a negative count drops that many tokens)
+        return elapsed
+
+    c, v, steps = [], {k: [] for k in ks}, []
+    for repeat in range(repeats + 1):  # the first repeat warms up
+        t_step = timed("target", target, 1)
+        t_draft = timed("draft", draft, 1)
+        t_verify = {k: timed("target", target, k + 1) for k in ks}
+        if repeat:
+            steps.append(t_step)
+            c.append(t_draft / t_step)
+            for k in ks:
+                v[k].append(t_verify[k] / t_step)
+    return statistics.median(c), {k: statistics.median(x) for k, x in v.items()}, statistics.median(steps) * 1e3
 
 
 def solve_alpha(mean_accepted: float, k: int) -> float:
@@ -222,9 +244,7 @@ def main() -> None:
           f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}", flush=True)
     rows, mismatches = [], {}
     for batch_size in args.batch_sizes:
-        t_step = forward_ms(tgt.model, target.cache_kwarg, batch_size, context, 1)
-        c = forward_ms(drf.model, draft.cache_kwarg, batch_size, context, 1) / t_step
-        v = {k: forward_ms(tgt.model, target.cache_kwarg, batch_size, context, k + 1) / t_step for k in ks}
+        c, v, _ = forward_costs(target, draft, batch_size, context, ks)
         outputs, ar = {}, None
         for mode, k in [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]:
             results, stats, wall = run_mode(target, draft, eos, reqs, mode, k, batch_size)
