@@ -12,7 +12,8 @@ The *ideal* speed-up ``E / (k*c + v)`` uses ``E = (1 - a^(k+1)) / (1 - a)`` with
 per-token acceptance solved from the measured accepted drafts per round, and ``c`` / ``v``
 the draft step and k+1-token verify forward costs in target-step units, measured by
 separate benchmarks of the bare model forwards at that batch size (not the engine's
-timers), interleaved so that load from elsewhere cancels in the ratios. A table for people, then one JSON line for machines; a PNG plot next to the JSON.
+timers), interleaved so that load from elsewhere cancels in the ratios. A table for
+people, then one JSON line for machines; a PNG plot next to the JSON.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def run_mode(target, draft, eos, reqs, mode, k, batch_size):
 
 @torch.no_grad()
 def forward_costs(target: ModelHandle, draft: ModelHandle, batch: int, context: int, ks: list[int],
-                  repeats: int = 25) -> tuple[float, dict[int, float], float]:
-    """(c, {k: v}, target step ms) from bare forwards on a ``context``-token KV cache.
+                  repeats: int = 25) -> tuple[float, dict[int, float]]:
+    """(c, {k: v}) from bare forwards on a ``context``-token KV cache.
 
     Each model's cache is filled once; every timed forward is cropped off again. One repeat
     times the target's 1-token step, the draft's 1-token step and the target's (k+1)-token
@@ -113,17 +114,16 @@ def forward_costs(target: ModelHandle, draft: ModelHandle, batch: int, context: 
         caches[name].crop(-new_tokens)  # back to the context (a negative count drops that many tokens)
         return elapsed
 
-    c, v, steps = [], {k: [] for k in ks}, []
+    c, v = [], {k: [] for k in ks}
     for repeat in range(repeats + 1):  # the first repeat warms up
         t_step = timed("target", target, 1)
         t_draft = timed("draft", draft, 1)
         t_verify = {k: timed("target", target, k + 1) for k in ks}
         if repeat:
-            steps.append(t_step)
             c.append(t_draft / t_step)
             for k in ks:
                 v[k].append(t_verify[k] / t_step)
-    return statistics.median(c), {k: statistics.median(x) for k, x in v.items()}, statistics.median(steps) * 1e3
+    return statistics.median(c), {k: statistics.median(x) for k, x in v.items()}
 
 
 def solve_alpha(mean_accepted: float, k: int) -> float:
@@ -244,7 +244,7 @@ def main() -> None:
           f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}", flush=True)
     rows, mismatches = [], {}
     for batch_size in args.batch_sizes:
-        c, v, _ = forward_costs(target, draft, batch_size, context, ks)
+        c, v = forward_costs(target, draft, batch_size, context, ks)
         outputs, ar = {}, None
         for mode, k in [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]:
             results, stats, wall = run_mode(target, draft, eos, reqs, mode, k, batch_size)
