@@ -72,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--topk", type=int, default=32, help="target log-probs stored per answer position")
     p.add_argument("--gen-minutes", type=float, default=22.0, help="time budget for training-data generation")
+    p.add_argument("--shard", default="0/1", metavar="K/N",
+                   help="answer only every N-th unanswered prompt, from the K-th: N processes with the same --seed "
+                        "and --extend-from split one round between them without answering a prompt twice")
     p.add_argument("--max-train-prompts", type=int, default=100000)
     p.add_argument("--extend-from", nargs="+", default=None,
                    help="work dirs of earlier runs: keep their held-out set and training answers, answer only new prompts")
@@ -219,6 +222,17 @@ def unanswered(prompt_ids: list[list[int]], old_recs) -> list[list[int]]:
     return [ids for ids in prompt_ids if tuple(ids) not in answered]
 
 
+def shard(items: list, spec: str) -> list:
+    """The K-th of N interleaved shards of `items`, for `spec` "K/N"."""
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard {spec!r}: expected K/N, e.g. 0/2") from None
+    if not 0 <= k < n:
+        raise SystemExit(f"--shard {spec!r}: K must be in 0..N-1")
+    return items[k::n]
+
+
 def generate_data(model, tok, args, work: Path):
     prompts = build_prompts(args.n_prompts, seed=1234)
     rng = random.Random(args.seed)
@@ -262,8 +276,8 @@ def generate_data(model, tok, args, work: Path):
         log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
         return held_recs, old_recs + recs
     train_ids = render(tok, train)
-    train_ids = unanswered(train_ids, old_recs)
-    log(f"{len(train_ids)} prompts to answer")
+    train_ids = shard(unanswered(train_ids, old_recs), args.shard)
+    log(f"{len(train_ids)} prompts to answer (shard {args.shard})")
     recs = []
     t0 = time.time()
     last, saved = 0.0, t0

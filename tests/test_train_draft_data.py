@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -23,6 +24,16 @@ def test_prompts_an_earlier_run_answered_are_not_answered_again():
     old = [record([5, 6, 7], [8]), record([9], [10, 11])]
     todo = [[5, 6, 7], [5, 6], [9], [12, 13]]
     assert train_draft.unanswered(todo, old) == [[5, 6], [12, 13]]
+
+
+def test_shards_split_the_prompts_without_overlap_or_loss():
+    items = [[i] for i in range(11)]
+    parts = [train_draft.shard(items, f"{k}/3") for k in range(3)]
+    assert sorted(sum(parts, [])) == items
+    assert train_draft.shard(items, "0/1") == items
+    for bad in ("3/3", "x", "1"):
+        with pytest.raises(SystemExit):
+            train_draft.shard(items, bad)
 
 
 def test_repeats_are_dropped_and_no_training_answer_shares_a_validation_prompt():
