@@ -75,9 +75,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shard", default="0/1", metavar="K/N",
                    help="answer only every N-th unanswered prompt, from the K-th: N processes with the same --seed "
                         "and --extend-from split one round between them without answering a prompt twice")
-    p.add_argument("--skip-prompts", type=int, default=0, metavar="N",
-                   help="leave out the first N prompts of the built list: new prompts only, for a round whose "
-                        "earlier work dirs are gone (steps 1-8 drew from the first 16000; see README_draft.md)")
     p.add_argument("--max-train-prompts", type=int, default=100000)
     p.add_argument("--extend-from", nargs="+", default=None,
                    help="work dirs of earlier runs: keep their held-out set and training answers, answer only new prompts")
@@ -236,19 +233,11 @@ def shard(items: list, spec: str) -> list:
     return items[k::n]
 
 
-def split_prompts(args, rng: random.Random) -> tuple[list[str], list[str]]:
-    """Held-out and training prompts: the built list past its first --skip-prompts, shuffled by `rng`."""
-    prompts = build_prompts(args.n_prompts, seed=1234)[args.skip_prompts:]
-    if len(prompts) <= args.heldout:
-        raise SystemExit(f"--skip-prompts {args.skip_prompts} leaves {len(prompts)} of --n-prompts {args.n_prompts}: "
-                         f"too few for --heldout {args.heldout} and training")
-    rng.shuffle(prompts)
-    return prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
-
-
 def generate_data(model, tok, args, work: Path):
+    prompts = build_prompts(args.n_prompts, seed=1234)
     rng = random.Random(args.seed)
-    held, train = split_prompts(args, rng)
+    rng.shuffle(prompts)
+    held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
     old_recs = []
     if args.extend_from:
         dirs = [Path(d) for d in args.extend_from]

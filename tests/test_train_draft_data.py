@@ -36,20 +36,6 @@ def test_shards_split_the_prompts_without_overlap_or_loss():
             train_draft.shard(items, bad)
 
 
-def test_skipped_prompts_are_neither_held_out_nor_trained_on():
-    import random
-    from types import SimpleNamespace
-    from draft_prompts import build_prompts
-    args = SimpleNamespace(n_prompts=600, skip_prompts=400, heldout=32, max_train_prompts=100000)
-    held, train = train_draft.split_prompts(args, random.Random(9))
-    skipped = set(build_prompts(400))
-    assert not skipped & set(held + train)
-    assert sorted(held + train) == sorted(build_prompts(600)[400:])
-    args.skip_prompts = 580          # 20 left: fewer than the held-out set
-    with pytest.raises(SystemExit):
-        train_draft.split_prompts(args, random.Random(9))
-
-
 def test_repeats_are_dropped_and_no_training_answer_shares_a_validation_prompt():
     recs = [record([1, i], [i, i + 1]) for i in range(40)]
     recs.append(record([1, 3], [3, 4]))        # exact repeat of an earlier answer: dropped
