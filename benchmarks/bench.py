@@ -6,7 +6,9 @@ For every batch size every mode decodes the same prompts (Spec-Bench ``turns[0]`
 chat template); the script checks that the completions are identical across modes and
 reports tokens/s, the ratio to ``ar`` at the same batch size, the mean acceptance length
 (tokens per row per round, *counting* the correction/bonus token), the group hit rate and
-the realignment + gather share of step time.
+the realignment + gather share of step time. By default every batch size runs the modes
+forward and then backward (``--order palindrome``) and pools both runs of each mode, so that
+a drift of the machine's speed during the sweep does not favour the mode that runs first.
 
 The *ideal* speed-up ``E / (k*c + v)`` uses ``E = (1 - a^(k+1)) / (1 - a)`` with ``a`` the
 per-token acceptance solved from the measured accepted drafts per round, and ``c`` / ``v``
@@ -136,8 +138,18 @@ def solve_alpha(mean_accepted: float, k: int) -> float:
     return (lo + hi) / 2
 
 
-def summarize(results, stats, wall, k):
-    tokens = sum(len(r.token_ids) for r in results.values())
+def run_order(plan: list, order: str) -> list:
+    """The runs in the order they execute. ``palindrome`` runs the plan forward, then backward (A B C C B A):
+    every mode's mean position is the same, so a drift of the machine's speed during the sweep (measured: the mode
+    run third at batch 4 lost 10-15 points of achieved/ideal) cancels to first order instead of favouring one mode."""
+    return plan + plan[::-1] if order == "palindrome" else list(plan)
+
+
+def summarize(runs: list, k: int) -> dict:
+    """One row from a mode's runs, each ``(results, stats, wall)``: rates are total tokens over total time."""
+    tokens = sum(sum(len(r.token_ids) for r in results.values()) for results, _, _ in runs)
+    wall = sum(w for _, _, w in runs)
+    stats = [s for _, run_stats, _ in runs for s in run_stats]
     rounds = [s for s in stats if s.group_kind in ("same_length", "realigned", "ar")]
     row_rounds = sum(s.batch_size for s in rounds)
     accepted = sum(sum(s.accepted) for s in rounds)
@@ -146,6 +158,7 @@ def summarize(results, stats, wall, k):
     decode_ms = sum(s.total_ms for s in stats if s.group_kind != "prefill")
     return {
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+        "runs_tokens_per_s": [sum(len(r.token_ids) for r in results.values()) / w for results, _, w in runs],
         "decode_tokens_per_s": tokens / (decode_ms / 1e3),
         "acceptance_length": (sum(s.tokens_emitted for s in rounds) / row_rounds) if spec else 1.0,
         "accepted_per_round": accepted / row_rounds if spec else 0.0,
@@ -212,6 +225,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--order", choices=["palindrome", "given"], default="palindrome",
+                        help="palindrome: run the modes forward, then backward, and pool both runs (cancels drift; "
+                             "twice the time); given: once each, in the order of --modes")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench.json")
     args = parser.parse_args()
     if args.threads:
@@ -237,23 +253,30 @@ def main() -> None:
     run_mode(target, draft, eos, reqs[:2], "eqspec", ks[0], 2)
 
     print(f"Spec-Bench, {args.prompts} prompts, max_new_tokens {args.max_new_tokens}, k {' '.join(map(str, ks))}, "
-          f"device {tgt.model.device}, threads {torch.get_num_threads()}; acceptance length counts the bonus token; "
+          f"device {tgt.model.device}, threads {torch.get_num_threads()}, order {args.order}; acceptance length counts the bonus token; "
           f"'vs ar' is end to end (prefill included), 'decode' excludes prefill and is what 'of ideal' uses",
           flush=True)
     print(f"{'mode':8} {'k':>2} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
           f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}", flush=True)
     rows, mismatches = [], {}
+    plan = [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]
     for batch_size in args.batch_sizes:
         c, v = forward_costs(target, draft, batch_size, context, ks)
+        runs = defaultdict(list)
+        for mode, k in run_order(plan, args.order):
+            runs[(mode, k)].append(run_mode(target, draft, eos, reqs, mode, k, batch_size))
         outputs, ar = {}, None
-        for mode, k in [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]:
-            results, stats, wall = run_mode(target, draft, eos, reqs, mode, k, batch_size)
-            outputs[f"{mode}" + (f"-k{k}" if k else "")] = {row: r.token_ids for row, r in results.items()}
-            row = {"mode": mode, "batch_size": batch_size, "k": k if mode != "ar" else 0,
-                   **summarize(results, stats, wall, k)}
-            row["step_ms"] = {"draft": sum(s.draft_ms for s in stats), "verify": sum(s.verify_ms for s in stats),
-                              "realign_gather": sum(s.realign_ms + s.gather_ms for s in stats),
-                              "total": sum(s.total_ms for s in stats)}
+        for mode, k in plan:
+            for i, (results, _, _) in enumerate(runs[(mode, k)]):
+                outputs[f"{mode}" + (f"-k{k}" if k else "") + (f"-run{i + 1}" if i else "")] = {
+                    row: r.token_ids for row, r in results.items()}
+            all_stats = [s for _, run_stats, _ in runs[(mode, k)] for s in run_stats]
+            row = {"mode": mode, "batch_size": batch_size, "k": k, "order": args.order,
+                   **summarize(runs[(mode, k)], k)}
+            row["step_ms"] = {"draft": sum(s.draft_ms for s in all_stats),
+                              "verify": sum(s.verify_ms for s in all_stats),
+                              "realign_gather": sum(s.realign_ms + s.gather_ms for s in all_stats),
+                              "total": sum(s.total_ms for s in all_stats)}
             if mode != "ar":
                 alpha = solve_alpha(row["accepted_per_round"], k)
                 expected = (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -272,7 +295,7 @@ def main() -> None:
     print("rows differing from ar:", json.dumps(mismatches))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out.with_suffix(".png"), args.batch_sizes)
-    record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": ks,
+    record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": ks, "order": args.order,
               "device": str(tgt.model.device), "threads": torch.get_num_threads(), "rows": rows,
               "mismatches_vs_ar": mismatches, "plot": str(png) if png else None}
     args.out.write_text(json.dumps(record, indent=1))

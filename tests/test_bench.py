@@ -1,0 +1,40 @@
+"""The benchmark's bookkeeping: the palindrome order is fair to every mode, and pooled runs count all their tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench  # noqa: E402
+from batchspec_cli.events import StepStats  # noqa: E402
+
+
+def step(kind, rows, accepted, emitted, total_ms):
+    return StepStats(bucket=0, step=0, group_kind=kind, batch_size=rows, k=5, accepted=accepted,
+                     tokens_emitted=emitted, pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0,
+                     verify_ms=total_ms, realign_ms=0.0, gather_ms=0.0, total_ms=total_ms)
+
+
+def test_palindrome_gives_every_mode_the_same_mean_position():
+    plan = [("ar", 0), ("eqspec", 5), ("exspec", 5)]
+    order = bench.run_order(plan, "palindrome")
+    assert sorted(order) == sorted(plan * 2)
+    means = {m: sum(i for i, x in enumerate(order) if x == m) / 2 for m in plan}
+    assert len(set(means.values())) == 1
+    assert bench.run_order(plan, "given") == plan
+
+
+def test_pooled_runs_are_total_tokens_over_total_time():
+    def run(tokens, wall, accepted):
+        results = {0: SimpleNamespace(token_ids=list(range(tokens)))}
+        stats = [step("prefill", 1, [0], 0, 100.0), step("same_length", 1, [accepted], accepted + 1, 400.0)]
+        return results, stats, wall
+
+    row = bench.summarize([run(6, 2.0, 2), run(6, 4.0, 4)], k=5)
+    assert row["tokens"] == 12 and row["wall_s"] == 6.0
+    assert row["tokens_per_s"] == 2.0  # not the mean of 3 and 1.5 tok/s
+    assert row["runs_tokens_per_s"] == [3.0, 1.5]
+    assert row["decode_tokens_per_s"] == 12 / 0.8
+    assert row["accepted_per_round"] == 3.0 and row["acceptance_length"] == 4.0
