@@ -145,10 +145,10 @@ def run_order(plan: list, order: str) -> list:
     return plan + plan[::-1] if order == "palindrome" else list(plan)
 
 
-def summarize(runs: list, k: int) -> dict:
+def summarize(runs: list) -> dict:
     """One row from a mode's runs, each ``(results, stats, wall)``: rates are total tokens over total time."""
-    tokens = sum(sum(len(r.token_ids) for r in results.values()) for results, _, _ in runs)
-    wall = sum(w for _, _, w in runs)
+    run_tokens = [sum(len(r.token_ids) for r in results.values()) for results, _, _ in runs]
+    tokens, wall = sum(run_tokens), sum(w for _, _, w in runs)
     stats = [s for _, run_stats, _ in runs for s in run_stats]
     rounds = [s for s in stats if s.group_kind in ("same_length", "realigned", "ar")]
     row_rounds = sum(s.batch_size for s in rounds)
@@ -158,13 +158,16 @@ def summarize(runs: list, k: int) -> dict:
     decode_ms = sum(s.total_ms for s in stats if s.group_kind != "prefill")
     return {
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-        "runs_tokens_per_s": [sum(len(r.token_ids) for r in results.values()) / w for results, _, w in runs],
+        "runs_tokens_per_s": [n / w for n, (_, _, w) in zip(run_tokens, runs)],
         "decode_tokens_per_s": tokens / (decode_ms / 1e3),
         "acceptance_length": (sum(s.tokens_emitted for s in rounds) / row_rounds) if spec else 1.0,
         "accepted_per_round": accepted / row_rounds if spec else 0.0,
         "hit_rate": (sum(s.group_kind == "same_length" for s in spec) / len(spec)) if spec else None,
         "realign_gather_share": sum(s.realign_ms + s.gather_ms for s in stats) / total_ms if total_ms else 0.0,
         "kv_moved": sum(s.kv_moved for s in stats), "kv_gathered": sum(s.kv_gathered for s in stats),
+        "step_ms": {"draft": sum(s.draft_ms for s in stats), "verify": sum(s.verify_ms for s in stats),
+                    "realign_gather": sum(s.realign_ms + s.gather_ms for s in stats),
+                    "total": total_ms},
     }
 
 
@@ -253,7 +256,8 @@ def main() -> None:
     run_mode(target, draft, eos, reqs[:2], "eqspec", ks[0], 2)
 
     print(f"Spec-Bench, {args.prompts} prompts, max_new_tokens {args.max_new_tokens}, k {' '.join(map(str, ks))}, "
-          f"device {tgt.model.device}, threads {torch.get_num_threads()}, order {args.order}; acceptance length counts the bonus token; "
+          f"device {tgt.model.device}, threads {torch.get_num_threads()}, order {args.order}; "
+          f"acceptance length counts the bonus token; "
           f"'vs ar' is end to end (prefill included), 'decode' excludes prefill and is what 'of ideal' uses",
           flush=True)
     print(f"{'mode':8} {'k':>2} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
@@ -270,13 +274,7 @@ def main() -> None:
             for i, (results, _, _) in enumerate(runs[(mode, k)]):
                 outputs[f"{mode}" + (f"-k{k}" if k else "") + (f"-run{i + 1}" if i else "")] = {
                     row: r.token_ids for row, r in results.items()}
-            all_stats = [s for _, run_stats, _ in runs[(mode, k)] for s in run_stats]
-            row = {"mode": mode, "batch_size": batch_size, "k": k, "order": args.order,
-                   **summarize(runs[(mode, k)], k)}
-            row["step_ms"] = {"draft": sum(s.draft_ms for s in all_stats),
-                              "verify": sum(s.verify_ms for s in all_stats),
-                              "realign_gather": sum(s.realign_ms + s.gather_ms for s in all_stats),
-                              "total": sum(s.total_ms for s in all_stats)}
+            row = {"mode": mode, "batch_size": batch_size, "k": k, "order": args.order, **summarize(runs[(mode, k)])}
             if mode != "ar":
                 alpha = solve_alpha(row["accepted_per_round"], k)
                 expected = (1 - alpha ** (k + 1)) / (1 - alpha)
