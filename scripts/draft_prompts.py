@@ -159,74 +159,85 @@ def _math_problem(rng: random.Random) -> str:
     return rng.choice(forms) + rng.choice(["", " Explain your reasoning step by step.", " Show your work."])
 
 
-def build_prompts(n: int = 3000, seed: int = 1234) -> list[str]:
-    """Return ``n`` distinct user instructions (deterministic for a given seed)."""
-    rng = random.Random(seed)
+def _draw(rng: random.Random) -> str:
+    """One instruction: a kind (16 equally likely), then its template and fillers."""
     n_words = ["three", "four", "five"]
+    kind = rng.randrange(16)
+    t = rng.choice(TOPICS)
+    if kind == 0:
+        return rng.choice([
+            f"Explain {t} in simple terms.", f"What is {t}?", f"How does {t} work?",
+            f"Why is {t} important?", f"Explain {t} to a ten-year-old.",
+            f"Give a short overview of {t}.",
+        ])
+    if kind == 1:
+        a, b = rng.choice(PAIRS)
+        return rng.choice([f"Compare {a} and {b}.", f"What are the differences between {a} and {b}?",
+                           f"Which is better, {a} or {b}? Give pros and cons."])
+    if kind == 2:
+        return rng.choice([f"List {rng.choice(n_words)} interesting facts about {t}.",
+                           f"Give me {rng.choice(n_words)} tips for {rng.choice(ACTIVITIES)}.",
+                           f"What are the main advantages and disadvantages of {t}?"])
+    if kind == 3:
+        return f"Write a short story about {rng.choice(CHARACTERS)} who {rng.choice(EVENTS)}."
+    if kind == 4:
+        return f"Write an email to {rng.choice(RECIPIENTS)} about {rng.choice(EMAIL_SUBJECTS)}."
+    if kind == 5:
+        return rng.choice([f"Write a poem about {t}.", f"Write a haiku about {t}.",
+                           f"Write a limerick about {rng.choice(CHARACTERS)}."])
+    if kind == 6:
+        return rng.choice([f"Write a Python function that {rng.choice(CODE_TASKS)}.",
+                           f"Write Python code that {rng.choice(CODE_TASKS)}, and explain it briefly."])
+    if kind in (7, 8):
+        return _math_problem(rng)
+    if kind == 9:
+        return f"Translate into {rng.choice(LANGUAGES)}: \"{rng.choice(SENTENCES)}\""
+    if kind == 10:
+        sents = rng.sample(FACT_SENTENCES, 4)
+        para = " ".join(s.format(t=t).capitalize() if s.startswith("{t}") else s.format(t=t) for s in sents)
+        return rng.choice(["Summarize the following paragraph:\n\n", "Summarise this text in one sentence:\n\n",
+                           "What is the main idea of this paragraph?\n\n"]) + para
+    if kind == 11:
+        act = rng.choice(ACTIVITIES)
+        return rng.choice([f"How can I get better at {act}?", f"Give me advice on {act}.",
+                           f"I am struggling with {act}. What should I do?"])
+    if kind == 12:
+        return rng.choice(QUESTIONS).format(c=rng.choice(COUNTRIES))
+    if kind == 13:
+        return rng.choice([f"Write a short blog post introduction about {t}.",
+                           f"Write a product description for a book about {t}.",
+                           f"Write a tweet about {t}."])
+    if kind == 14:
+        return rng.choice([f"What are common misconceptions about {t}?",
+                           f"What is the history of {t}?", f"How has {t} changed the world?"])
+    return rng.choice([f"Create a quiz with three questions about {t}.",
+                       f"Describe a day in the life of {rng.choice(CHARACTERS)}.",
+                       f"Write a dialogue between {rng.choice(CHARACTERS)} and {rng.choice(CHARACTERS)}."])
 
-    def one() -> str:
-        kind = rng.randrange(16)
-        t = rng.choice(TOPICS)
-        if kind == 0:
-            return rng.choice([
-                f"Explain {t} in simple terms.", f"What is {t}?", f"How does {t} work?",
-                f"Why is {t} important?", f"Explain {t} to a ten-year-old.",
-                f"Give a short overview of {t}.",
-            ])
-        if kind == 1:
-            a, b = rng.choice(PAIRS)
-            return rng.choice([f"Compare {a} and {b}.", f"What are the differences between {a} and {b}?",
-                               f"Which is better, {a} or {b}? Give pros and cons."])
-        if kind == 2:
-            return rng.choice([f"List {rng.choice(n_words)} interesting facts about {t}.",
-                               f"Give me {rng.choice(n_words)} tips for {rng.choice(ACTIVITIES)}.",
-                               f"What are the main advantages and disadvantages of {t}?"])
-        if kind == 3:
-            return f"Write a short story about {rng.choice(CHARACTERS)} who {rng.choice(EVENTS)}."
-        if kind == 4:
-            return f"Write an email to {rng.choice(RECIPIENTS)} about {rng.choice(EMAIL_SUBJECTS)}."
-        if kind == 5:
-            return rng.choice([f"Write a poem about {t}.", f"Write a haiku about {t}.",
-                               f"Write a limerick about {rng.choice(CHARACTERS)}."])
-        if kind == 6:
-            return rng.choice([f"Write a Python function that {rng.choice(CODE_TASKS)}.",
-                               f"Write Python code that {rng.choice(CODE_TASKS)}, and explain it briefly."])
-        if kind in (7, 8):
-            return _math_problem(rng)
-        if kind == 9:
-            return f"Translate into {rng.choice(LANGUAGES)}: \"{rng.choice(SENTENCES)}\""
-        if kind == 10:
-            sents = rng.sample(FACT_SENTENCES, 4)
-            para = " ".join(s.format(t=t).capitalize() if s.startswith("{t}") else s.format(t=t) for s in sents)
-            return rng.choice(["Summarize the following paragraph:\n\n", "Summarise this text in one sentence:\n\n",
-                               "What is the main idea of this paragraph?\n\n"]) + para
-        if kind == 11:
-            act = rng.choice(ACTIVITIES)
-            return rng.choice([f"How can I get better at {act}?", f"Give me advice on {act}.",
-                               f"I am struggling with {act}. What should I do?"])
-        if kind == 12:
-            return rng.choice(QUESTIONS).format(c=rng.choice(COUNTRIES))
-        if kind == 13:
-            return rng.choice([f"Write a short blog post introduction about {t}.",
-                               f"Write a product description for a book about {t}.",
-                               f"Write a tweet about {t}."])
-        if kind == 14:
-            return rng.choice([f"What are common misconceptions about {t}?",
-                               f"What is the history of {t}?", f"How has {t} changed the world?"])
-        return rng.choice([f"Create a quiz with three questions about {t}.",
-                           f"Describe a day in the life of {rng.choice(CHARACTERS)}.",
-                           f"Write a dialogue between {rng.choice(CHARACTERS)} and {rng.choice(CHARACTERS)}."])
+def build_prompts(n: int = 3000, seed: int = 1234) -> list[str]:
+    """Return ``n`` distinct user instructions (deterministic for a given seed).
 
+    Distinct prompts drift from the kinds' equal shares as ``n`` grows: the small templates run out of new
+    fillers first, so past a few thousand most new prompts are arithmetic problems and summaries."""
+    rng = random.Random(seed)
     seen: set[str] = set()
     out: list[str] = []
     tries = 0
     while len(out) < n and tries < n * 50:
         tries += 1
-        p = one()
+        p = _draw(rng)
         if p not in seen:
             seen.add(p)
             out.append(p)
     return out
+
+
+def draw_prompts(n: int, seed: int) -> list[str]:
+    """``n`` independent draws, repeats allowed: the kinds keep their equal shares however large ``n`` is.
+
+    For sampled answers only (a repeated prompt gets a new answer; a greedy one would repeat itself)."""
+    rng = random.Random(seed)
+    return [_draw(rng) for _ in range(n)]
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from draft_prompts import build_prompts  # noqa: E402
+from draft_prompts import build_prompts, draw_prompts  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EOS_ID = 2
@@ -76,6 +76,9 @@ def parse_args() -> argparse.Namespace:
                    help="answer only every N-th unanswered prompt, from the K-th: N processes with the same --seed "
                         "and --extend-from split one round between them without answering a prompt twice")
     p.add_argument("--max-train-prompts", type=int, default=100000)
+    p.add_argument("--draws", action="store_true",
+                   help="training prompts are --n-prompts independent draws (repeats allowed, every kind at its "
+                        "equal share) instead of the first --n-prompts distinct ones; needs --sample-frac 1.0")
     p.add_argument("--extend-from", nargs="+", default=None,
                    help="work dirs of earlier runs: keep their held-out set and training answers, answer only new prompts")
     # model
@@ -102,6 +105,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--subset-topk", type=int, default=8,
                    help="the training softmax covers input tokens plus the target's top-N at every position")
     p.add_argument("--eval-every-min", type=float, default=6.0)
+    p.add_argument("--ema", type=float, default=0.0,
+                   help="also keep an exponential moving average of the trained weights (decay per step, e.g. "
+                        "0.998); every evaluation scores it too and it can be the checkpoint kept")
     return p.parse_args()
 
 
@@ -238,6 +244,11 @@ def generate_data(model, tok, args, work: Path):
     rng = random.Random(args.seed)
     rng.shuffle(prompts)
     held, train = prompts[: args.heldout], prompts[args.heldout:][: args.max_train_prompts]
+    if args.draws:
+        if args.sample_frac < 1.0:
+            raise SystemExit("--draws repeats prompts, and a repeated greedy answer is no new data: "
+                             "use --sample-frac 1.0")
+        train = draw_prompts(args.n_prompts, seed=args.seed)[: args.max_train_prompts]
     old_recs = []
     if args.extend_from:
         dirs = [Path(d) for d in args.extend_from]
@@ -246,12 +257,12 @@ def generate_data(model, tok, args, work: Path):
             if json.loads((d / "prompts.json").read_text())["heldout"] != held:
                 raise SystemExit(f"{d}: its held-out prompts differ from {dirs[0]}'s")
             old_recs += torch.load(d / "train.pt")
-        held_set = set(held)
-        train = [p for p in train if p not in held_set]
         hpath = work / "heldout.pt"
         if not hpath.exists():
             torch.save(torch.load(dirs[0] / "heldout.pt"), hpath)
         log(f"extending {args.extend_from}: {len(old_recs)} earlier answers kept")
+    held_set = set(held)
+    train = [p for p in train if p not in held_set]
     (work / "prompts.json").write_text(json.dumps({"heldout": held, "train": train}, indent=0))
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
 
@@ -276,7 +287,9 @@ def generate_data(model, tok, args, work: Path):
         log(f"reusing {len(recs)} training answers ({sum(len(r['answer_ids']) for r in recs)} tokens)")
         return held_recs, old_recs + recs
     train_ids = render(tok, train)
-    train_ids = shard(unanswered(train_ids, old_recs), args.shard)
+    if not args.draws:  # draws repeat prompts on purpose: each gets its own sampled answer
+        train_ids = unanswered(train_ids, old_recs)
+    train_ids = shard(train_ids, args.shard)
     log(f"{len(train_ids)} prompts to answer (shard {args.shard})")
     recs = []
     t0 = time.time()
@@ -552,7 +565,8 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
     acc, al = evaluate(draft, held_ex, **ev)
     log(f"eval before training: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
     evals = [(0.0, 0, vacc, acc)]
-    best = (vacc, 0, {k: v.detach().clone() for k, v in draft.state_dict().items() if "embed_tokens" not in k})
+    best = (vacc, 0, trained_state(draft), "raw")
+    ema = {k: v.detach().clone() for k, v in trained_state(draft).items()} if args.ema > 0 else None
     done = False
     while not done:
         epoch += 1
@@ -584,6 +598,12 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            if ema is not None:
+                with torch.no_grad():
+                    live = draft.state_dict()
+                    for k, v in ema.items():
+                        if v.is_floating_point():
+                            v.lerp_(live[k], 1.0 - args.ema)
             tokens += int(len(rows))
             hist.append((float(soft.detach().mean()), float((logq.detach().argmax(-1) == tsub[:, 0]).float().mean())))
             if step % log_every == 0:
@@ -597,17 +617,40 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
                 evals.append(((time.time() - t0) / 60, step, vacc, acc))
                 log(f"eval: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
                 if vacc >= best[0]:
-                    best = (vacc, step, {k: v.detach().clone() for k, v in draft.state_dict().items()
-                                         if "embed_tokens" not in k})
+                    best = (vacc, step, trained_state(draft), "raw")
+                if ema is not None:
+                    best = score_ema(draft, ema, val_ex, held_ex, ev, step, best, evals, t0)
                 last_eval = time.time()
     vacc, _ = evaluate(draft, val_ex, **ev)
-    log(f"end of training: step {step}, val {vacc:.1%} (best earlier: {best[0]:.1%} at step {best[1]})")
+    log(f"end of training: step {step}, val {vacc:.1%} (best earlier: {best[0]:.1%} at step {best[1]}, {best[3]})")
+    if ema is not None:
+        best = score_ema(draft, ema, val_ex, held_ex, ev, step, best, evals, t0)
     if vacc < best[0]:
         draft.load_state_dict(best[2], strict=False)
-        log(f"restored the checkpoint of step {best[1]} (selected on the validation split, not the held-out set)")
+        log(f"restored the {best[3]} weights of step {best[1]} (selected on the validation split, not the held-out set)")
     info = {"steps": step, "epochs": epoch, "train_tokens_seen": tokens, "train_minutes": (time.time() - t0) / 60,
             "softmax_vocab": len(sub), "evals": evals}
     return info, seen
+
+
+def trained_state(draft) -> dict:
+    """A detached copy of the weights training changes (the shared embeddings are the target's)."""
+    return {k: v.detach().clone() for k, v in draft.state_dict().items() if "embed_tokens" not in k}
+
+
+@torch.no_grad()
+def score_ema(draft, ema, val_ex, held_ex, ev, step, best, evals, t0):
+    """Evaluate the moving average in place of the live weights; keep it as ``best`` if validation says so."""
+    live = trained_state(draft)
+    draft.load_state_dict(ema, strict=False)
+    vacc, _ = evaluate(draft, val_ex, **ev)
+    acc, al = evaluate(draft, held_ex, **ev)
+    draft.load_state_dict(live, strict=False)
+    evals.append(((time.time() - t0) / 60, step, vacc, acc, "ema"))
+    log(f"eval (ema): val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
+    if vacc >= best[0]:
+        return vacc, step, {k: v.clone() for k, v in ema.items()}, "ema"
+    return best
 
 
 @torch.no_grad()

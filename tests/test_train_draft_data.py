@@ -82,3 +82,56 @@ def test_batched_answers_are_each_prompts_own_greedy_decode(monkeypatch):
         else:  # a sampled row stops at EOS or the limit, and its top-k still ranks the target's argmax first
             assert n == 20 or rec["answer_ids"][-1] == EOS_ID
             assert EOS_ID not in rec["answer_ids"][:-1].tolist()
+
+
+def test_the_moving_average_is_scored_in_place_of_the_live_weights_and_kept_when_validation_prefers_it():
+    """`score_ema` evaluates the averaged weights, puts the live ones back, and returns the average as the
+    checkpoint to keep only when its validation agreement is at least the best so far."""
+    from conftest import greedy_reference, make_tiny_llama
+
+    teacher = make_tiny_llama(61, seed=1)
+    live = make_tiny_llama(61, seed=2)
+    live.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)  # shared, as in a shared draft
+    g = torch.Generator().manual_seed(3)
+    recs = []
+    for n in (4, 9, 6):
+        prompt = torch.randint(3, 61, (n,), generator=g).tolist()
+        answer = greedy_reference(teacher, prompt, 12, [])
+        rec = record(prompt, answer)
+        rec["top_ids"][:, 0] = torch.tensor(answer)
+        recs.append(rec)
+    ex = train_draft.build_examples(recs)
+    ev = {"weight": live.lm_head.weight}
+    live_before = train_draft.trained_state(live)
+    ema = train_draft.trained_state(teacher)           # an "average" that agrees with the teacher everywhere
+    assert train_draft.evaluate(live, ex, **ev)[0] < 0.5
+    evals = []
+    best = train_draft.score_ema(live, ema, ex, ex, ev, 7, (0.4, 3, live_before, "raw"), evals, 0.0)
+    assert best[0] == 1.0 and best[1] == 7 and best[3] == "ema"
+    assert all(torch.equal(best[2][k], ema[k]) for k in ema)
+    assert evals[-1][2:] == (1.0, 1.0, "ema")
+    after = train_draft.trained_state(live)
+    assert all(torch.equal(after[k], live_before[k]) for k in after), "the live weights must be restored"
+    kept = train_draft.score_ema(live, ema, ex, ex, ev, 8, (1.01, 3, live_before, "raw"), [], 0.0)
+    assert kept[1] == 3 and kept[3] == "raw"
+
+
+def test_draws_keep_every_kind_at_its_share_where_distinct_prompts_drift_to_arithmetic():
+    """`draw_prompts` repeats prompts rather than run out of a kind; `build_prompts` stays distinct and fixed."""
+    import hashlib
+
+    from draft_prompts import build_prompts, draw_prompts
+
+    def arithmetic_share(prompts):
+        marks = ("How many", "How much", "average speed", "area and perimeter", "percentage of the class",
+                 "how long would it take", "Solve for x", "multiplied by")
+        return sum(any(m in p for m in marks) for p in prompts) / len(prompts)
+
+    draws = draw_prompts(16000, seed=11)
+    assert draws == draw_prompts(16000, seed=11) and draws != draw_prompts(16000, seed=12)
+    assert len(set(draws)) < len(draws)                      # repeats allowed
+    assert 0.10 < arithmetic_share(draws) < 0.16             # two kinds of sixteen
+    distinct = build_prompts(16000)
+    assert len(set(distinct)) == 16000 and arithmetic_share(distinct) > 0.35
+    # the held-out and earlier rounds' prompts depend on this list: it must not change
+    assert hashlib.sha256("\n".join(build_prompts(3000)).encode()).hexdigest().startswith("177700026de9")
