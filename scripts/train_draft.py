@@ -565,8 +565,8 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
     acc, al = evaluate(draft, held_ex, **ev)
     log(f"eval before training: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
     evals = [(0.0, 0, vacc, acc)]
-    best = (vacc, 0, trained_state(draft), "raw")
-    ema = {k: v.detach().clone() for k, v in trained_state(draft).items()} if args.ema > 0 else None
+    best = (vacc, 0, trained_state(draft), "live")
+    ema = trained_state(draft) if args.ema > 0 else None
     done = False
     while not done:
         epoch += 1
@@ -617,7 +617,7 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
                 evals.append(((time.time() - t0) / 60, step, vacc, acc))
                 log(f"eval: val {vacc:.1%}; held-out greedy acceptance {acc:.1%}, accepted/round(k=5) {al:.2f}")
                 if vacc >= best[0]:
-                    best = (vacc, step, trained_state(draft), "raw")
+                    best = (vacc, step, trained_state(draft), "live")
                 if ema is not None:
                     best = score_ema(draft, ema, val_ex, held_ex, ev, step, best, evals, t0)
                 last_eval = time.time()
@@ -720,6 +720,8 @@ def step_times(models, prompt_len=64, steps=24, rounds=3):
 
 def main():
     args = parse_args()
+    if not 0.0 <= args.ema < 1.0:
+        raise SystemExit(f"--ema {args.ema}: a decay per step must be in [0, 1)")
     torch.set_num_threads(args.threads)
     try:
         torch.set_num_interop_threads(1)

@@ -106,14 +106,14 @@ def test_the_moving_average_is_scored_in_place_of_the_live_weights_and_kept_when
     ema = train_draft.trained_state(teacher)           # an "average" that agrees with the teacher everywhere
     assert train_draft.evaluate(live, ex, **ev)[0] < 0.5
     evals = []
-    best = train_draft.score_ema(live, ema, ex, ex, ev, 7, (0.4, 3, live_before, "raw"), evals, 0.0)
+    best = train_draft.score_ema(live, ema, ex, ex, ev, 7, (0.4, 3, live_before, "live"), evals, 0.0)
     assert best[0] == 1.0 and best[1] == 7 and best[3] == "ema"
     assert all(torch.equal(best[2][k], ema[k]) for k in ema)
     assert evals[-1][2:] == (1.0, 1.0, "ema")
     after = train_draft.trained_state(live)
     assert all(torch.equal(after[k], live_before[k]) for k in after), "the live weights must be restored"
-    kept = train_draft.score_ema(live, ema, ex, ex, ev, 8, (1.01, 3, live_before, "raw"), [], 0.0)
-    assert kept[1] == 3 and kept[3] == "raw"
+    kept = train_draft.score_ema(live, ema, ex, ex, ev, 8, (1.01, 3, live_before, "live"), [], 0.0)
+    assert kept[1] == 3 and kept[3] == "live"
 
 
 def test_draws_keep_every_kind_at_its_share_where_distinct_prompts_drift_to_arithmetic():
