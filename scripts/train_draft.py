@@ -602,8 +602,7 @@ def train(draft, train_ex, val_ex, held_ex, args, log_every=20, head=None):
                 with torch.no_grad():
                     live = draft.state_dict()
                     for k, v in ema.items():
-                        if v.is_floating_point():
-                            v.lerp_(live[k], 1.0 - args.ema)
+                        v.lerp_(live[k], 1.0 - args.ema)
             tokens += int(len(rows))
             hist.append((float(soft.detach().mean()), float((logq.detach().argmax(-1) == tsub[:, 0]).float().mean())))
             if step % log_every == 0:
