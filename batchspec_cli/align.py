@@ -49,6 +49,22 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
 
 
+class CacheFull(torch.OutOfMemoryError):
+    """The pool's KV buffers cannot grow to a row's length, even exactly: that row cannot go on."""
+
+
+def old_device_is_cuda(buffers: list[torch.Tensor]) -> bool:
+    return bool(buffers) and buffers[0].device.type == "cuda"
+
+
+def device_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 indices from host values, copied without a blocking sync on an accelerator."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
 def is_run(slots: list[int]) -> bool:
     """Whether the slots are one ascending contiguous run (the group reads views)."""
     return slots == list(range(slots[0], slots[0] + len(slots)))
@@ -58,7 +74,7 @@ def selection(slots: list[int], device: torch.device) -> Selection:
     """A slice when the slots are one ascending contiguous run (zero-copy views), else indices."""
     if is_run(slots):
         return slice(slots[0], slots[0] + len(slots))
-    return torch.tensor(slots, dtype=torch.long, device=device)
+    return device_tensor(slots, device)
 
 
 class SlotCache:
@@ -72,14 +88,13 @@ class SlotCache:
     pool is part of what EXSPEC pays for.
     """
 
-    def __init__(self, n_slots: int, capacity: int, count_gathers: bool = True):
+    def __init__(self, n_slots: int, capacity: int):
         self.n_slots = n_slots
         self.capacity = capacity
         self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.sel: Selection = slice(0, 0)
         self.length = 0
-        self.count_gathers = count_gathers
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
         self.gather_s = 0.0
 
@@ -117,19 +132,34 @@ class SlotCache:
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
     def grow(self, needed: int) -> None:
-        """Enlarge every layer's capacity to at least ``needed`` columns.
+        """Enlarge every layer's capacity to at least ``needed`` columns, all layers or none.
 
         Grows by a quarter (rounded up to 64 columns), not by doubling: the buffer holds a
         whole pool of rows, so overshooting the longest row costs window x layers x heads
-        columns of memory.
+        columns of memory. When that does not fit, it grows to exactly what is needed; when
+        that does not fit either, ``CacheFull`` is raised with the cache unchanged (halving
+        the group cannot help: the buffer is the pool's, not the group's).
         """
-        new_cap = -(-max(needed, self.capacity + self.capacity // 4) // 64) * 64
-        for buffers in (self.keys, self.values):
-            for i, old in enumerate(buffers):
-                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                new[:, :, : self.capacity] = old
-                buffers[i] = new
-        self.capacity = new_cap
+        generous = -(-max(needed, self.capacity + self.capacity // 4) // 64) * 64
+        exact = -(-needed // 8) * 8
+        for new_cap in dict.fromkeys((generous, exact)):
+            try:
+                fresh = [[self._new_buffer(old, new_cap) for old in buffers] for buffers in (self.keys, self.values)]
+            except torch.OutOfMemoryError:
+                if old_device_is_cuda(self.keys):
+                    torch.cuda.empty_cache()
+                continue
+            for buffers, new in zip((self.keys, self.values), fresh):  # nothing below allocates
+                for i, old in enumerate(buffers):
+                    new[i][:, :, : self.capacity] = old
+                buffers[:] = new
+            self.capacity = new_cap
+            return
+        raise CacheFull(f"the KV cache of {self.n_slots} slots cannot grow to {needed} columns")
+
+    @staticmethod
+    def _new_buffer(old: torch.Tensor, capacity: int) -> torch.Tensor:
+        return old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
 
     @property
     def n_layers(self) -> int:
@@ -150,6 +180,7 @@ class Layout:
         return cls(torch.zeros(n_slots, capacity, dtype=torch.long, device=device), zeros, zeros.clone())
 
     def grow(self, needed: int) -> None:
+        """Allocate first, then swap: an out-of-memory error leaves the layout as it was."""
         if needed > self.tokens.shape[1]:
             new = self.tokens.new_zeros(self.tokens.shape[0], max(needed, 2 * self.tokens.shape[1]))
             new[:, : self.tokens.shape[1]] = self.tokens
@@ -236,51 +267,64 @@ def use_folded_sdpa(model) -> None:
         model.set_attn_implementation(FOLDED_SDPA)
 
 
-def realign(layout: Layout, caches: list[tuple[SlotCache, int]], src: torch.Tensor, dst: torch.Tensor,
-            new_end: int | torch.Tensor) -> int:
-    """Move rows ``src`` to slots ``dst`` so that each ends at column ``new_end``.
+def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list[int], dst: list[int],
+            ends: list[int], new_ends: list[int], pads: list[int]) -> int:
+    """Move rows from slots ``src`` to slots ``dst`` so that row i ends at column ``new_ends[i]``.
 
-    src, dst: [rows] slot indices (may overlap, e.g. a permutation: all reads happen
-    before writes). new_end: one column for every row, or a [rows] tensor (a row whose
-    new end equals its end only changes slot). caches: (cache, lag) pairs; a cache with
-    lag ``l`` covers columns [0, end - l).
-    Each row is shifted by ``new_end - end``; index tensors are built once and each layer
-    is moved with one gather and one scatter of the rows' cached content only (no pad
-    columns, nothing past a row's end). Returns the KV entries (token x layer) actually
-    copied, counted from the index tensors used.
+    src, dst: slot indices (may overlap, e.g. a permutation: all reads happen before
+    writes); ends, pads: each row's current padded length and padding (the host's
+    mirrors: no device sync); caches: (cache, per-row lag) pairs, a cache with lag ``l``
+    covering columns [0, end - l) of that row. Each row is shifted by ``new_end - end``;
+    index tensors are built once and each layer moves with one gather and one scatter of
+    the rows' cached content only (no pad columns, nothing past a row's end).
+
+    All or nothing: every buffer that grows and every gathered copy is allocated before the
+    first write, so an out-of-memory error leaves layout and caches as they were.
+    Returns the KV entries (token x layer) actually copied, counted from the index tensors used.
     """
-    if src.numel() == 0:
+    if not src:
         return 0
-    new_end = torch.as_tensor(new_end, dtype=torch.long, device=src.device).expand(src.shape)
-    width = int(new_end.max())
-    shift = new_end - layout.end[src]  # [rows]
+    device = layout.tokens.device
+    width = max(new_ends)
+    shifts = [n - e for n, e in zip(new_ends, ends)]
+    new_pads = [p + s for p, s in zip(pads, shifts)]
+    src_t, dst_t = device_tensor(src, device), device_tensor(dst, device)
+    shift = device_tensor(shifts, device)  # [rows]
+    # 1. Allocate: grown buffers, index tensors, gathered copies.
     layout.grow(width)
+    for cache, lags in caches:
+        if cache.n_layers and width - min(lags) > cache.capacity:
+            cache.grow(width - min(lags))
     # Columns past a row's own new end carry nothing; clamping keeps their (ignored) reads in bounds.
-    tok_cols = (torch.arange(width, device=src.device)[None, :] - shift[:, None]).clamp(min=0)  # [rows, width]
-    tok_cols = tok_cols.clamp(max=layout.tokens.shape[1] - 1)
-    layout.tokens[dst, :width] = layout.tokens[src[:, None], tok_cols]
-    new_pad = layout.pad[src] + shift
-    layout.pad[dst] = new_pad
-    layout.end[dst] = new_end
-    content = new_end - new_pad  # [rows]
-    moved = 0
-    for cache, lag in caches:
-        if cache.n_layers == 0 or width - lag <= 0:
-            continue
-        if width - lag > cache.capacity:
-            cache.grow(width - lag)
+    tok_cols = (torch.arange(width, device=device)[None, :] - shift[:, None]).clamp(0, layout.tokens.shape[1] - 1)
+    tokens = layout.tokens[src_t[:, None], tok_cols]  # [rows, width]
+    moves = []
+    for cache, lags in caches:
         # Only each row's cached content moves: columns [new pad, new end - lag) of its new place.
-        # Pad columns are masked and columns past the end are rewritten before they are read.
-        lengths = (content - lag).clamp(min=0)  # [rows]
-        total = int(lengths.sum())
-        if total == 0:
+        lengths = [max(0, n - p - lag) for n, p, lag in zip(new_ends, new_pads, lags)]
+        total = sum(lengths)
+        if cache.n_layers == 0 or total == 0:
             continue
-        row = torch.repeat_interleave(torch.arange(len(src), device=src.device), lengths, output_size=total)
-        first = torch.cumsum(lengths, 0) - lengths
-        dst_col = new_pad[row] + torch.arange(total, device=src.device) - first[row]
-        src_col, src_row, dst_row = dst_col - shift[row], src[row], dst[row]
-        for buffers in (cache.keys, cache.values):
-            for layer in buffers:
-                layer[dst_row, :, dst_col] = layer[src_row, :, src_col]
+        lengths_t = device_tensor(lengths, device)
+        row = torch.repeat_interleave(torch.arange(len(src), device=device), lengths_t, output_size=total)
+        first = torch.cumsum(lengths_t, 0) - lengths_t
+        dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
+        src_col, src_row, dst_row = dst_col - shift[row], src_t[row], dst_t[row]
+        gathered = [[_gather(layer, src_row, src_col) for layer in buffers] for buffers in (cache.keys, cache.values)]
+        moves.append((cache, dst_row, dst_col, gathered, total))
+    # 2. Write.
+    layout.tokens[dst_t, :width] = tokens
+    layout.pad[dst_t] = device_tensor(new_pads, device)
+    layout.end[dst_t] = device_tensor(new_ends, device)
+    moved = 0
+    for cache, dst_row, dst_col, gathered, total in moves:
+        for buffers, copies in zip((cache.keys, cache.values), gathered):
+            for layer, copy in zip(buffers, copies):
+                layer[dst_row, :, dst_col] = copy
         moved += total * cache.n_layers
     return moved
+
+
+def _gather(layer: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[entries, kv_heads, head_dim] copies of one layer's entries (a seam for fault-injection tests)."""
+    return layer[rows, :, cols]

@@ -1,25 +1,31 @@
-"""The decoding engine: AR baseline, EQSPEC and EXSPEC over one slot pool.
+"""The decoding engine: AR baseline, EQSPEC, EXSPEC and ``auto`` over one slot pool.
 
 ``Engine.run(requests)`` is a generator of events: a ``RowResult`` as soon as a row is
-done and a ``StepStats`` for every step. Modes differ only in how a step's *group* is
-chosen and what happens after the round:
+done and a ``StepStats`` for every step. Modes differ in how a step's *group* is chosen,
+how it is brought into one rectangle, and which k it runs:
 
 - ``ar``: the group is every live row; one target token per step (a round with k = 0).
-- ``eqspec``: the group is every live row of a static batch; after every round the rows
-  are realigned into one left-padded rectangle (unpad -> append -> repad) and finished
-  rows leave (their slots are compacted away).
+- ``eqspec``: the group is every live row of a static batch, realigned into one
+  left-padded rectangle (unpad -> append -> repad) before every round; finished rows
+  leave (their slots are compacted away).
 - ``exspec``: a pool of ``window`` slots; each step runs the largest group of rows with the
-  same padded length (no realignment); when that group is smaller than
-  ``min_group`` x the batch (by default: than a full batch), it is topped up with the rows
-  closest in length, which are realigned to it (the EQSPEC fallback, for those rows only).
-  New prompts are admitted into free slots as rows finish, one bucket per prefill. A group
-  whose rows all carry much padding (its longest row has left) is trimmed to its longest
-  content in the same move: attention reads every padded column of every row in every
-  later round, a move copies the content once.
+  same padded length (no realignment); when that group is smaller than ``min_group`` x the
+  batch (by default: than a full batch), it is topped up with the rows closest in length,
+  which are realigned to it (the EQSPEC fallback, for those rows only). New prompts are
+  admitted into free slots as rows finish, one bucket per prefill. A group whose rows all
+  carry much padding (its longest row has left) is trimmed to its longest content in the
+  same move.
+- ``auto``: EXSPEC grouping with the k of every round (0 = a plain step) chosen by the
+  policy in ``control`` from measured costs and each row's acceptance.
 
-One round (``_round``): 1. draft k tokens with the draft's persistent cache,
-2. verify them in one target forward, 3. accept, 4. commit (stops, bookkeeping) and
-realign if the mode asks for it. Exactly one host sync per round.
+Drafters: a draft model (its own slot cache, caught up in one forward when it lags) and
+model-free ``LookupDrafter``s (``drafters``) that propose from host-side indexes; rows may
+get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
+``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
+
+One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
+1. draft, 2. verify in one target forward, 3. accept, 4. commit. Exactly one host sync
+per round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
 from __future__ import annotations
@@ -28,17 +34,21 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 
 from . import sampling
-from .align import Layout, SlotCache, group_forward, is_run, realign, selection, use_folded_sdpa
+from .align import CacheFull, Layout, SlotCache, device_tensor, group_forward, is_run, realign, selection
+from .align import use_folded_sdpa
+from .control import AutoK, Choice, FixedK
 from .events import Request, RowResult, StepStats
+from .slots import SlotState
 
 StopChecker = Callable[[list[int], int], int | None]
 """(completion token ids so far, number of tokens added this round) -> cut length or None."""
 
+MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
@@ -46,21 +56,70 @@ _TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end
 
 @dataclass
 class EngineConfig:
-    mode: str = "exspec"  # ar | eqspec | exspec
-    k: int = 5  # draft tokens per round
+    mode: str = "auto"  # auto | ar | eqspec | exspec
+    k: int = 5  # draft tokens per round (auto: the most)
     batch_size: int = 8
-    window: int = 32  # exspec pool size
+    window: int = 32  # pool size of exspec and auto
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
+    calibrate: bool = True  # auto: time the forwards briefly before the first prefill
 
 
 @dataclass
 class ModelHandle:
     model: torch.nn.Module
     cache_kwarg: str  # "cache" or "past_key_values"
+
+
+class LookupDrafter(Protocol):
+    """A model-free drafter: host-side indexes over prompts and completions, no forward."""
+
+    name: str
+
+    def admit(self, row: int, prompt: list[int]) -> None: ...
+
+    def extend(self, row: int, tokens: list[int]) -> None: ...
+
+    def finish(self, row: int, completion: list[int]) -> None: ...
+
+    def propose(self, rows: list[int], k: int) -> list[list[int]]: ...
+
+
+class Clock:
+    """Marks within a round: host clocks on the CPU, CUDA events on a GPU (read after the round's sync)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, object] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name] = event
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def seconds(self, a: str, b: str) -> float:
+        if a not in self.marks or b not in self.marks:
+            return 0.0
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b]) / 1e3
+        return self.marks[b] - self.marks[a]
+
+
+@dataclass
+class Draft:
+    """One round's drafts: tokens [G, k] (filler past each row's length), per-row lengths, who drafted."""
+
+    tokens: torch.Tensor | None  # [G, k] int64
+    lengths: list[int]  # [G] real drafts per row (host)
+    sources: list[str]  # [G] who drafted each row: "model", a lookup drafter's name, "" for none
+    source: str  # the step's label: "model", the lookup drafters' names, "" for k = 0
+    fed: int = 0  # tokens the draft model's first forward took (its catch-up)
 
 
 def _contiguous_first(free: list[int], n: int) -> list[int]:
@@ -73,23 +132,36 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
-                 stop_checker: StopChecker | None = None):
-        if cfg.mode not in ("ar", "eqspec", "exspec"):
+                 stop_checker: StopChecker | None = None, lookups: list[LookupDrafter] | None = None,
+                 policy: FixedK | None = None):
+        if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
-        if cfg.mode != "ar" and draft is None:
-            raise ValueError(f"mode {cfg.mode} needs a draft model")
-        self.target, self.draft, self.cfg = target, draft, cfg
-        for handle in (target, draft):  # multi-token forwards with a mask then copy no K/V
+        plain = cfg.mode == "ar"
+        self.draft = None if plain else draft
+        self.lookups = [] if plain else list(lookups or [])
+        if cfg.mode in ("eqspec", "exspec") and self.draft is None and not self.lookups:
+            raise ValueError(f"mode {cfg.mode} needs a drafter")
+        self.target, self.cfg = target, cfg
+        for handle in (target, self.draft):  # multi-token forwards with a mask then copy no K/V
             if handle is not None:
                 use_folded_sdpa(handle.model)
-        self.k = 0 if cfg.mode == "ar" else cfg.k
+        self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
+        self._policy = policy
+        self.pooled = cfg.mode in ("exspec", "auto")
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
-        self.n_slots = cfg.window if cfg.mode == "exspec" else cfg.batch_size
+        self.n_slots = cfg.window if self.pooled else cfg.batch_size
         self.step_no = 0
+
+    def _new_policy(self) -> FixedK:
+        if self._policy is not None:
+            return self._policy
+        if self.cfg.mode == "auto" and self.max_k:
+            return AutoK(self.max_k)
+        return FixedK(self.max_k)
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
@@ -101,40 +173,34 @@ class Engine:
                 if self.exhausted:
                     return
                 continue
-            slots, kind = self._select()
+            slots = self._select()
+            self.group = slots
             try:
-                yield from self._round(slots, kind)
-            except torch.OutOfMemoryError:
-                yield from self._out_of_memory(slots)
+                yield from self._round(slots)
+            except torch.OutOfMemoryError as exc:
+                yield from self._out_of_memory(self.group, exc)
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
         n, cap, dev = self.n_slots, 64, self.device
         self.layout = Layout.empty(n, cap, dev)
         self.tcache = SlotCache(n, cap)
-        self.dcache = SlotCache(n, cap) if self.draft is not None and self.k > 0 else None
-        zeros = torch.zeros(n, dtype=torch.long, device=dev)
-        self.gen, self.max_new = zeros.clone(), zeros.clone()
-        self.drafted, self.accepted, self.rounds = zeros.clone(), zeros.clone(), zeros.clone()
-        self.keys = zeros.clone()
-        self.temperature = torch.zeros(n, dtype=torch.float64, device=dev)
-        self.top_k = zeros.clone()
-        self.top_p = torch.ones(n, dtype=torch.float64, device=dev)
-        self.rows: list[Request | None] = [None] * n
-        self.end_host = [0] * n  # mirrors of layout.end / layout.pad, updated at the round's sync
-        self.pad_host = [0] * n
-        self.last_run = [0] * n
-        self.texts: list[list[int] | None] = [None] * n  # completion ids, kept only with stop strings
+        self.dcache = SlotCache(n, cap) if self.draft is not None and self.max_k > 0 else None
+        self.state = SlotState.empty(n, dev)
         self.live: list[int] = []
+        self.policy = self._new_policy()
+        self.calibrated = not (self.cfg.calibrate and isinstance(self.policy, AutoK) and self._policy is None)
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
         self.pending: Request | None = None  # read from the stream, waiting for the next admission
 
-    def _caches(self) -> list[tuple[SlotCache, int]]:
-        caches = [(self.tcache, 1)]
+    def _caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
+        """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
+        st = self.state
+        caches = [(self.tcache, [1] * len(slots))]
         if self.dcache is not None:
-            caches.append((self.dcache, 2))
+            caches.append((self.dcache, [st.end[s] - st.dend[s] for s in slots]))
         return caches
 
     def _check(self, req: Request) -> str | None:
@@ -144,16 +210,20 @@ class Engine:
             return f"prompt has {len(req.prompt_ids)} tokens; the model's context is {self.context}"
         return None
 
+    def _limit(self, req: Request) -> int:
+        return req.max_new_tokens if self.context is None else min(req.max_new_tokens,
+                                                                   self.context - len(req.prompt_ids))
+
     # ------------------------------------------------------------------ admission
     def _admit_from(self, stream: Iterator[Request]) -> Iterator[RowResult | StepStats]:
         """Admit new prompts into free slots, in chunks of at most a batch.
 
-        exspec admits a whole batch at a time (admitted rows form one same-length group);
-        ar and eqspec refill their batch as soon as a quarter of it is free, placing the new
-        rows at the batch's common padded length (continuous batching).
+        The pooled modes admit a whole batch at a time (admitted rows form one same-length
+        group); ar and eqspec refill their batch as soon as a quarter of it is free, placing
+        the new rows at the batch's common padded length (continuous batching).
         """
-        free = [s for s in range(self.n_slots) if self.rows[s] is None]
-        chunk_min = self.cfg.batch_size if self.cfg.mode == "exspec" else max(1, self.cfg.batch_size // 4)
+        free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
+        chunk_min = self.cfg.batch_size if self.pooled else max(1, self.cfg.batch_size // 4)
         if self.live and len(free) < min(chunk_min, self.n_slots):
             return
         while free and not self.exhausted:
@@ -172,246 +242,355 @@ class Engine:
                     break
                 chunk.append(req)
             if chunk:
-                taken = _contiguous_first(free, len(chunk))
-                yield from self._admit(chunk, taken)
-                free = [s for s in free if s not in taken]
+                yield from self._admit(chunk, free)
+                free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
 
-    def _admit(self, chunk: list[Request], slots: list[int]) -> Iterator[StepStats]:
-        """Place prompts in free slots, left-padded to one padded length, and prefill both caches."""
+    def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
+        """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
         started = time.perf_counter()
+        st = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
+        if not self.calibrated:
+            self._calibrate(chunk, end)
         moved, realign_s = 0, 0.0
-        if self.cfg.mode != "exspec" and self.live:  # join the running batch at its common padded length
-            batch_end = self.end_host[self.live[0]]
-            if end > batch_end:
-                moved = self._realign_group(list(self.live), end, compact=False)
-                self._sync()
-                realign_s = time.perf_counter() - started
-            end = max(end, batch_end)
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.layout.place(idx, [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
-        for slot, req in zip(slots, chunk):
-            self.rows[slot] = req
-            self.end_host[slot], self.pad_host[slot] = end, end - len(req.prompt_ids)
-            self.last_run[slot] = self.step_no
-            self.texts[slot] = [] if self.stop_checker else None
-        limit = [r.max_new_tokens if self.context is None else min(r.max_new_tokens, self.context - len(r.prompt_ids))
-                 for r in chunk]
-        self.max_new[idx] = torch.tensor(limit, device=self.device)
-        for t in (self.gen, self.drafted, self.accepted, self.rounds):
-            t[idx] = 0
-        self.keys[idx] = torch.tensor([sampling.row_key(r.sampling.seed, r.id) for r in chunk], device=self.device)
-        self.temperature[idx] = torch.tensor([r.sampling.temperature for r in chunk], dtype=torch.float64,
-                                             device=self.device)
-        self.top_k[idx] = torch.tensor([r.sampling.top_k for r in chunk], device=self.device)
-        self.top_p[idx] = torch.tensor([r.sampling.top_p for r in chunk], dtype=torch.float64, device=self.device)
+        if not self.pooled and self.live:  # join the running batch at its common padded length
+            end = max(end, max(st.end[s] - st.pad[s] for s in self.live))
+            moved = self._realign_group(list(self.live), end, compact=True)
+            realign_s = time.perf_counter() - started
+            free = [s for s in range(self.n_slots) if st.rows[s] is None]
+        slots = _contiguous_first(free, len(chunk))
+        self.layout.place(device_tensor(slots, self.device), [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
+        keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
+        st.place(slots, chunk, end, keys, [self._limit(r) for r in chunk], self.device)
+        for slot in slots:
+            st.last_run[slot] = self.step_no
         self.live = sorted(self.live + slots)
+        for drafter in self.lookups:
+            for req in chunk:
+                drafter.admit(req.row, req.prompt_ids)
 
-        self._prefill(slots, end)
+        errors = self._prefill(slots, end)
+        if self.dcache is not None and self.policy.wants_draft():
+            self._prefill_draft([s for s in slots if st.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
-        self.tcache.gathered = 0
-        if self.dcache is not None:
-            self.dcache.gathered = 0
+        pads = sum(st.pad[s] for s in slots)
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
-                        k=0, accepted=[], tokens_emitted=0, pad_before=sum(self.pad_host[s] for s in slots),
-                        pad_after=sum(self.pad_host[s] for s in slots), kv_moved=moved, kv_gathered=0, draft_ms=0.0,
-                        verify_ms=ms - realign_s * 1e3, realign_ms=realign_s * 1e3, gather_ms=0.0, total_ms=ms)
+                        k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=moved,
+                        kv_gathered=0, draft_ms=0.0, verify_ms=ms - realign_s * 1e3, realign_ms=realign_s * 1e3,
+                        gather_ms=0.0, total_ms=ms)
+        yield from errors
 
     @torch.no_grad()
-    def _prefill(self, slots: list[int], end: int) -> None:
-        """Fill both caches for new rows; on out-of-memory, prefill the halves one after the other."""
-        sel = selection(slots, self.device)
-        pad = self.layout.pad[sel]
+    def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
+        """Fill the target cache of new rows; on out-of-memory, prefill the halves one after the other.
+
+        A row that does not fit even alone becomes an error row (its slot is freed).
+        """
         try:
-            for handle, cache, lag in ((self.target, self.tcache, 1), (self.draft, self.dcache, 2)):
-                if cache is None or end - lag <= 0:
-                    continue
-                group_forward(handle.model, cache, handle.cache_kwarg, sel, self.layout.tokens[sel, : end - lag],
-                              pad, 0, logits_to_keep=1)
+            sel = selection(slots, self.device)
+            group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel,
+                          self.layout.tokens[sel, : end - 1], self.layout.pad[sel], 0, logits_to_keep=1)
+            return []
         except torch.OutOfMemoryError:
+            self._empty_cache()
             if len(slots) == 1:
-                raise
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                return [self._drop(slots[0], "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
-            self._prefill(slots[:half], end)
-            self._prefill(slots[half:], end)
+            return self._prefill(slots[:half], end) + self._prefill(slots[half:], end)
+
+    @torch.no_grad()
+    def _prefill_draft(self, slots: list[int], end: int) -> None:
+        """Fill the draft cache up to ``end - 2``; on out-of-memory leave it to the first round's catch-up."""
+        if not slots or end - 2 <= 0:
+            return
+        sel = selection(slots, self.device)
+        try:
+            group_forward(self.draft.model, self.dcache, self.draft.cache_kwarg, sel,
+                          self.layout.tokens[sel, : end - 2], self.layout.pad[sel], 0, logits_to_keep=1)
+        except torch.OutOfMemoryError:
+            self._empty_cache()
+            return
+        for s in slots:
+            self.state.dend[s] = end - 2
 
     def _next_step(self) -> int:
         self.step_no += 1
         return self.step_no
 
     def _sync(self) -> None:
+        """Outside rounds only (admission, calibration)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # ------------------------------------------------------------------ grouping
-    def _select(self) -> tuple[list[int], str]:
-        """Choose the next group (sorted slots) and its kind.
+    def _empty_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-        exspec: the *core* is the largest group of rows with one padded length (the one
-        cheapest to bring into one slot range among equals), or the longest-waiting row's
-        group when a row starves. A core of at least ``min_group`` x the batch runs alone
-        (``same_length``: no realignment needed; its padding may still be trimmed, see
-        ``_target_end``); a smaller one is topped up with the rows closest
-        to it in length (``realigned``: ``_round`` realigns the group to ``_target_end``,
-        normally the core's length, so only the added rows move).
+    # ------------------------------------------------------------------ calibration (auto)
+    @torch.no_grad()
+    def _calibrate(self, chunk: list[Request], end: int) -> None:
+        """Time the verify of 1..K+1 tokens and the draft's forwards at the batch size, once, on throwaway caches.
+
+        The policy starts from these numbers and refines them from every round's timers.
         """
-        if self.cfg.mode != "exspec":
-            return self.live[: self.max_group], ("ar" if self.cfg.mode == "ar" else "same_length")
+        self.calibrated = True
+        group = min(self.cfg.batch_size, self.n_slots)
+        ids = (chunk[0].prompt_ids * (end // len(chunk[0].prompt_ids) + 1))[:end]
+        tokens = torch.tensor([ids] * group, device=self.device)
+        pad = torch.zeros(group, dtype=torch.long, device=self.device)
+        sel = slice(0, group)
+
+        def timed(handle: ModelHandle, cache: SlotCache, start: int, width: int) -> float:
+            self._sync()
+            began = time.perf_counter()
+            group_forward(handle.model, cache, handle.cache_kwarg, sel, tokens[:, start : start + width], pad, start)
+            self._sync()
+            return time.perf_counter() - began
+
+        context = max(2, end - self.max_k - 2)
+        tcache = SlotCache(group, end + 8)
+        timed(self.target, tcache, 0, context)  # prefill, and the first call's warm-up
+        timed(self.target, tcache, context, 1)
+        for width in range(1, self.max_k + 2):
+            self.policy.verify.observe(group, width, timed(self.target, tcache, context, width))
+        if self.draft is not None:
+            dcache = SlotCache(group, end + 8)
+            timed(self.draft, dcache, 0, context)
+            timed(self.draft, dcache, context, 1)
+            self.policy.draft_step.observe(group, 1, timed(self.draft, dcache, context, 1))
+            for width in sorted({2, self.max_k + 1}):
+                self.policy.draft_feed.observe(group, width, timed(self.draft, dcache, context, width))
+
+    # ------------------------------------------------------------------ grouping
+    def _select(self) -> list[int]:
+        """Choose the next group (sorted slots).
+
+        exspec/auto: the *core* is the largest group of rows with one padded length (the one
+        cheapest to bring into one slot range among equals), or the longest-waiting row's
+        group when a row starves. A core of at least ``min_group`` x the batch runs alone (no
+        realignment needed; its padding may still be trimmed, see ``_target_end``); a smaller
+        one is topped up with the rows closest to it in length (``_prepare`` realigns the
+        group to ``_target_end``, normally the core's length, so only the added rows move).
+        """
+        if not self.pooled:
+            return self.live[: self.max_group]
+        st = self.state
         size = min(self.max_group, len(self.live))
-        oldest = min(self.live, key=lambda s: self.last_run[s])
-        starving = self.step_no - self.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
+        oldest = min(self.live, key=lambda s: st.last_run[s])
+        starving = self.step_no - st.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
         if starving:
-            end = self.end_host[oldest]
-            core = [oldest] + [s for s in self.live if self.end_host[s] == end and s != oldest][: size - 1]
+            end = st.end[oldest]
+            core = [oldest] + [s for s in self.live if st.end[s] == end and s != oldest][: size - 1]
         else:
-            by_end = Counter(self.end_host[s] for s in self.live)
+            by_end = Counter(st.end[s] for s in self.live)
             best_n = min(size, max(by_end.values()))
-            candidates = [[s for s in self.live if self.end_host[s] == e][:size]
+            candidates = [[s for s in self.live if st.end[s] == e][:size]
                           for e, n in sorted(by_end.items()) if min(n, size) == best_n]
             core = min(candidates, key=self._assembly_cost)
         if len(core) >= max(1, math.ceil(self.cfg.min_group * size)):
-            return sorted(core), "same_length"
-        end, members = self.end_host[core[0]], set(core)
+            return sorted(core)
+        end, members = st.end[core[0]], set(core)
         # Fillers: rows whose content fits the core's length first (only they move), nearest length first.
         rest = sorted((s for s in self.live if s not in members),
-                      key=lambda s: (self.end_host[s] - self.pad_host[s] > end, abs(self.end_host[s] - end), s))
-        return sorted(core + rest[: size - len(core)]), "realigned"
+                      key=lambda s: (st.end[s] - st.pad[s] > end, abs(st.end[s] - end), s))
+        return sorted(core + rest[: size - len(core)])
 
-    def _out_of_memory(self, slots: list[int]) -> Iterator[RowResult]:
+    def _out_of_memory(self, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
 
-        No rollback is needed: a forward writes KV only past each row's committed length
-        (``end``), and ``end`` advances only at commit, after every forward succeeded. The
-        half-written entries are overwritten by the retry.
+        No rollback is needed: forwards write KV only past each row's committed length
+        (``end``), which advances only at commit, after every forward succeeded; moves
+        (``realign``) and buffer growth (``SlotCache.grow``) allocate everything before
+        their first write. When the pool's buffers cannot grow (``CacheFull``) a smaller
+        group cannot help: the group's longest row errors out instead.
         """
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self._empty_cache()
+        slots = [s for s in slots if self.state.rows[s] is not None]
+        if isinstance(exc, CacheFull):
+            longest = max(slots, key=lambda s: self.state.end[s] - self.state.pad[s])
+            yield self._drop(longest, f"out of memory: {exc}")
+            return
         if len(slots) > 1:
             self.max_group = max(1, len(slots) // 2)
             return
-        slot = slots[0]
-        req = self.rows[slot]
-        self.rows[slot], self.texts[slot] = None, None
+        yield self._drop(slots[0], "out of memory even for this row alone")
+
+    def _drop(self, slot: int, error: str) -> RowResult:
+        req = self.state.rows[slot]
+        self.state.clear(slot)
         self.live.remove(slot)
-        yield RowResult(req.row, req.id, [], "error", error="out of memory even for this row alone",
-                        prompt_tokens=len(req.prompt_ids))
+        for drafter in self.lookups:
+            drafter.finish(req.row, [])
+        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
 
     # ------------------------------------------------------------------ one round
-    def _round(self, slots: list[int], kind: str) -> Iterator[RowResult | StepStats]:
-        started = time.perf_counter()
-        k, dev = self.k, self.device
-        pad_before = sum(self.pad_host[s] for s in slots)
-        moved, realign_s, assembled, assemble_s = 0, 0.0, 0, 0.0
-        if self.cfg.mode == "exspec":
-            # A mixed group is brought to one padded length (the fallback), a same-length one
-            # loses padding it no longer needs; either way it becomes one contiguous slot range.
-            new_end = self._target_end(slots)
-            if new_end is not None or not is_run(slots):
-                t = time.perf_counter()
-                slots, n = self._assemble(slots, new_end)
-                self._sync()
-                if new_end is None:  # same length, scattered over the pool: moved together once
-                    assembled, assemble_s = n, time.perf_counter() - t
-                else:
-                    moved, realign_s = n, time.perf_counter() - t
-        T = self.end_host[slots[0]]
-        sel = selection(slots, dev)
-        idx = torch.tensor(slots, dtype=torch.long, device=dev)
+    def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
+        started, clock, st = time.perf_counter(), Clock(self.device), self.state
+        pad_before = sum(st.pad[s] for s in slots)
+        bucket = st.rows[slots[0]].bucket
+        # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
+        clock.mark("prepare")
+        slots, moved, gathered = self._prepare(slots)
+        self.group = slots
+        clock.mark("prepared")
+        T, G = st.end[slots[0]], len(slots)
+        sel = selection(slots, self.device)
         pad = self.layout.pad[sel]
+        proposals = self._lookup_proposals(slots)
+        choice, source = self._choose(slots, proposals)
+        k = choice.k
+        noise = self._noise(slots, sel, k)
         self.layout.grow(T + k + 2)
-        for cache, _ in self._caches():
-            cache.gathered, cache.gather_s = 0, 0.0
-        greedy = all(self.rows[s].sampling.greedy for s in slots)
-        bucket = self.rows[slots[0]].bucket
-        gen = self.gen[sel]  # [G] completion position of the first token decided this round
-
         with torch.no_grad():
-            # 1. Draft: re-feed the last two committed tokens, then propose k tokens one at a time.
-            t0 = time.perf_counter()
-            drafts, q = self._draft(sel, idx, pad, T, gen, greedy) if k else (None, None)
-            self._sync()
+            # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
+            clock.mark("draft")
+            draft = self._draft(slots, sel, pad, T, k, source, proposals, noise, clock)
             # 2. Verify: one target forward over [last committed, d_1..d_k].
-            t1 = time.perf_counter()
+            clock.mark("verify")
             inputs = self.layout.tokens[sel, T - 1 : T]
             if k:
-                inputs = torch.cat([inputs, drafts], dim=1)  # [G, k+1]
+                inputs = torch.cat([inputs, draft.tokens], dim=1)  # [G, k+1]
             logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel, inputs, pad, T - 1)
-            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-            # 3. Accept: longest accepted prefix plus the correction or bonus token.
-            n_acc, nxt = self._accept(drafts, q, logits, idx, gen, greedy)
-            self._sync()
-            t2 = time.perf_counter()
-            # 4. Commit: write the block, apply stops, advance the rows.
-            block = nxt[:, None] if not k else torch.cat([drafts, torch.zeros_like(nxt)[:, None]], dim=1)
-            block = block.scatter(1, n_acc[:, None], nxt[:, None])  # [G, k+1]
-            self.layout.tokens[sel, T : T + k + 1] = block
-            emitted, kept, code = self._stops(block, n_acc, sel)
-            self.layout.end[sel] += emitted
-            host = torch.stack([emitted, kept, code]).tolist()  # the round's one host sync
-            block_host = block.tolist() if self.stop_checker else None
-
-        emitted_h, kept_h, code_h = host
-        finished = []
-        for i, s in enumerate(slots):
-            self.end_host[s] += emitted_h[i]  # before any stop-string cut: the layout's end on the device
-            self.last_run[s] = self.step_no + 1
-            if block_host is not None:
-                ids = self.texts[s]
-                ids.extend(block_host[i][: emitted_h[i]])
-                cut = self.stop_checker(ids, emitted_h[i])
-                if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
-                    emitted_h[i] -= len(ids) - cut
-                    kept_now = min(kept_h[i], emitted_h[i])
-                    self.accepted[s] -= kept_h[i] - kept_now
-                    kept_h[i] = kept_now
-                    del ids[cut:]
-                    code_h[i] = _STOP_STRING
-            if code_h[i] != _RUNNING:
-                finished.append((i, s, _REASONS[code_h[i]]))
-
-        results = [self._finish(s, reason) for _, s, reason in finished]
-        t3 = time.perf_counter()
-        if self.live and (self.cfg.mode == "eqspec" or (self.cfg.mode == "ar" and finished)):
-            moved += self._realign_group(list(self.live), None, compact=True)
-        self._sync()
-        realign_s += time.perf_counter() - t3
-        gathered = assembled + sum(c.gathered for c, _ in self._caches())
-        gather_s = assemble_s + sum(c.gather_s for c, _ in self._caches())
-        total = time.perf_counter() - started
-        live_in_group = self.live if self.cfg.mode != "exspec" else [s for s in slots if self.rows[s] is not None]
-        yield StepStats(
-            bucket=bucket,
-            step=self._next_step(), group_kind=kind, batch_size=len(slots), k=k,
-            accepted=kept_h, tokens_emitted=sum(emitted_h), pad_before=pad_before,
-            pad_after=sum(self.pad_host[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
-            draft_ms=(t1 - t0) * 1e3, verify_ms=(t2 - t1) * 1e3, realign_ms=realign_s * 1e3,
-            gather_ms=gather_s * 1e3, total_ms=total * 1e3)
-        yield from results
-
-    def _draft(self, sel, idx, pad, T: int, gen: torch.Tensor, greedy: bool):
-        """Propose k tokens per row. Returns drafts [G, k] and, when sampling, q [G, k, V]."""
-        model, cache, kwarg = self.draft.model, self.dcache, self.draft.cache_kwarg
-        inputs, start = self.layout.tokens[sel, T - 2 : T], T - 2
-        drafts, probs = [], []
-        for j in range(self.k):
-            logits = group_forward(model, cache, kwarg, sel, inputs, pad, start, logits_to_keep=1)[:, -1]
-            logits = self._to_target_vocab(logits)  # [G, V]
-            if greedy:
-                token = logits.argmax(-1)
+            # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
+            target_tokens = self._choose_tokens(logits, sel, noise, 0)  # [G, k+1]
+            if k:
+                lengths = None if source == "model" else device_tensor(draft.lengths, self.device)
+                n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
             else:
-                q = sampling.warp_probs(logits[:, None], self.temperature[idx], self.top_k[idx], self.top_p[idx])[:, 0]
-                u = sampling.keyed_uniform(self.keys[idx], (gen + j)[:, None], sampling.STREAM_DRAFT)[:, 0]
-                token = sampling.sample_from(q, u)
-                probs.append(q)
+                n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
+            clock.mark("accepted")
+            # 4. Commit: write the block, apply stops, advance the rows.
+            host = self._commit(sel, T, k, draft, n_acc, nxt)  # the round's one host sync
+        results = self._bookkeep(slots, T, k, draft, host)
+        total = time.perf_counter() - started
+        verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
+        prepare_s = clock.seconds("prepare", "prepared")
+        self.policy.observe_round(G, k, max(draft.lengths, default=0), clock.seconds("draft", "fed"),
+                                  clock.seconds("fed", "verify"), verify_s, draft.fed)
+        live_in_group = [s for s in slots if st.rows[s] is not None]
+        yield StepStats(
+            bucket=bucket, step=self._next_step(), group_kind=self._kind(moved), batch_size=G, k=k,
+            accepted=[row[1] for row in host], tokens_emitted=sum(row[0] for row in host), pad_before=pad_before,
+            pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
+            draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3, realign_ms=(prepare_s if moved else 0.0) * 1e3,
+            gather_ms=(prepare_s if not moved else 0.0) * 1e3, total_ms=total * 1e3, drafter=draft.source,
+            drafted=sum(draft.lengths), expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+            plain_ms=choice.plain_s * 1e3)
+        yield from (result for result, _ in results)
+
+    def _kind(self, moved: int) -> str:
+        if self.cfg.mode == "ar":
+            return "ar"
+        return "realigned" if moved else "same_length"
+
+    def _prepare(self, slots: list[int]) -> tuple[list[int], int, int]:
+        """Bring the group into one rectangle in one contiguous slot range.
+
+        Returns (slots, KV entries moved to realign, KV entries moved to assemble). exspec/auto:
+        a mixed group is brought to one padded length (the fallback), a same-length one loses
+        padding it no longer needs, a scattered one is moved together. ar/eqspec: every live
+        row is realigned to the longest content and compacted into slots 0..n-1 whenever the
+        rows' lengths differ (unpad -> append -> repad) or finished rows left holes.
+        """
+        st = self.state
+        if not self.pooled:
+            if len({st.end[s] for s in self.live}) > 1 or not is_run(self.live) or self.live[0] != 0:
+                moved = self._realign_group(list(self.live), None, compact=True)
+                return self.live[: len(slots)], moved, 0
+            return slots, 0, 0
+        new_end = self._target_end(slots)
+        if new_end is None and is_run(slots):
+            return slots, 0, 0
+        slots, n = self._assemble(slots, new_end)
+        return (slots, 0, n) if new_end is None else (slots, n, 0)
+
+    def _lookup_proposals(self, slots: list[int]) -> list[tuple[str, list[int]]] | None:
+        """Each row's best model-free draft (drafter name, tokens), by expected accepted tokens."""
+        if not self.lookups or not self.max_k:
+            return None
+        rows = [self.state.rows[s].row for s in slots]
+        acceptance = self.policy.acceptance
+        best = [("", [])] * len(slots)
+        score = [0.0] * len(slots)
+        for drafter in self.lookups:
+            for i, tokens in enumerate(drafter.propose(rows, self.max_k)):
+                alpha = acceptance.row((drafter.name, rows[i]))
+                value = sum(alpha ** (j + 1) for j in range(len(tokens)))
+                if tokens and value > score[i]:
+                    best[i], score[i] = (drafter.name, tokens[: self.max_k]), value
+        return best
+
+    def _choose(self, slots: list[int], proposals) -> tuple[Choice, str]:
+        """The policy's k for this round and who drafts: the draft model or the model-free drafters."""
+        st = self.state
+        rows = [st.rows[s].row for s in slots]
+        remaining = sum(self._limit(st.rows[s]) - len(st.ids[s]) for s in slots) / len(slots)
+        options = []
+        if proposals is not None and any(tokens for _, tokens in proposals):
+            keys = [(name or "lookup", row) for (name, _), row in zip(proposals, rows)]
+            lengths = [len(tokens) for _, tokens in proposals]
+            options.append((self.policy.choose(len(slots), keys, lengths, 0, remaining, False), "lookup"))
+        if self.dcache is not None:
+            catch_up = st.end[slots[0]] - min(st.dend[s] for s in slots)
+            keys = [("model", row) for row in rows]
+            options.append((self.policy.choose(len(slots), keys, None, catch_up, remaining, True), "model"))
+        if not options:
+            return Choice(0, float(len(slots)), 0.0, 0.0), ""
+        choice, source = max(options, key=lambda o: _goodput(o[0]))
+        return choice, (source if choice.k else "")
+
+    def _noise(self, slots: list[int], sel, k: int):
+        """(noise seeds [G, k+1], sampled flags, filter flags) for the round's positions; None when all greedy."""
+        rows = [self.state.rows[s] for s in slots]
+        sampled = [not r.sampling.greedy for r in rows]
+        if not any(sampled):
+            return None
+        filters = (any(r.sampling.top_k > 0 for r in rows if not r.sampling.greedy),
+                   any(r.sampling.top_p < 1.0 for r in rows if not r.sampling.greedy))
+        positions = self.state.gen[sel][:, None] + torch.arange(k + 1, device=self.device)[None, :]
+        return sampling.noise_base(self.state.keys[sel], positions), sampled, filters
+
+    def _choose_tokens(self, logits: torch.Tensor, sel, noise, first: int) -> torch.Tensor:
+        """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
+        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        if noise is None:
+            return logits.argmax(-1)
+        base, sampled, filters = noise
+        st = self.state
+        return sampling.gumbel_tokens(logits, st.temperature[sel], st.top_k[sel], st.top_p[sel],
+                                      base[:, first : first + logits.shape[1]], sampled, filters)
+
+    def _draft(self, slots, sel, pad, T: int, k: int, source: str, proposals, noise, clock: Clock) -> Draft:
+        if not k:
+            clock.mark("fed")
+            return Draft(None, [0] * len(slots), [""] * len(slots), "")
+        if source == "model":
+            return self._draft_model(slots, sel, pad, T, k, noise, clock)
+        clock.mark("fed")
+        names = {name for name, tokens in proposals if tokens}
+        lengths = [min(k, len(tokens)) for _, tokens in proposals]
+        filled = [tokens[:k] + [self.cfg.pad_id] * (k - len(tokens[:k])) for _, tokens in proposals]
+        sources = [name if n else "" for (name, _), n in zip(proposals, lengths)]
+        return Draft(device_tensor(filled, self.device), lengths, sources, ",".join(sorted(names)))
+
+    def _draft_model(self, slots, sel, pad, T: int, k: int, noise, clock: Clock) -> Draft:
+        """k tokens per row from the draft model; its first forward feeds every column it has not seen."""
+        model, cache, kwarg = self.draft.model, self.dcache, self.draft.cache_kwarg
+        start = max(0, min(min(self.state.dend[s] for s in slots), T - 2))
+        inputs, fed = self.layout.tokens[sel, start:T], T - start
+        drafts = []
+        for j in range(k):
+            logits = group_forward(model, cache, kwarg, sel, inputs, pad, start, logits_to_keep=1)[:, -1:]
+            if j == 0:
+                clock.mark("fed")
+            token = self._choose_tokens(self._to_target_vocab(logits), sel, noise, j)[:, 0]
             drafts.append(token)
             inputs, start = token[:, None], T + j
-        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
+        return Draft(torch.stack(drafts, 1), [k] * len(slots), ["model"] * len(slots), "model", fed)
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Slice or pad draft logits [G, Vd] to the target's vocabulary size."""
+        """Slice or pad draft logits [..., Vd] to the target's vocabulary size."""
         logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         extra = self.vocab - logits.shape[-1]
         if extra < 0:
@@ -420,51 +599,71 @@ class Engine:
             return torch.nn.functional.pad(logits, (0, extra), value=torch.finfo(logits.dtype).min)
         return logits
 
-    def _accept(self, drafts, q, logits, idx, gen, greedy: bool):
-        """Accepted counts [G] and the correction/bonus token [G]."""
-        k = self.k
-        if greedy:
-            argmax = logits.argmax(-1)  # [G, k+1]
-            if not k:
-                return torch.zeros_like(argmax[:, 0]), argmax[:, 0]
-            return sampling.greedy_accept(drafts, argmax)
-        p = sampling.warp_probs(logits, self.temperature[idx], self.top_k[idx], self.top_p[idx])  # [G, k+1, V]
-        positions = gen[:, None] + torch.arange(k + 1, device=self.device)[None, :]  # [G, k+1]
-        u_target = sampling.keyed_uniform(self.keys[idx], positions, sampling.STREAM_TARGET)
-        if not k:
-            return torch.zeros_like(gen), sampling.sample_from(p[:, 0], u_target[:, 0])
-        u_accept = sampling.keyed_uniform(self.keys[idx], positions[:, :k], sampling.STREAM_ACCEPT)
-        return sampling.speculative_accept(drafts, q, p, u_accept, u_target)
+    def _commit(self, sel, T: int, k: int, draft: Draft, n_acc: torch.Tensor, nxt: torch.Tensor) -> list[list[int]]:
+        """Write the round's block and advance the rows; returns per row [emitted, kept, code, *block].
 
-    def _stops(self, block: torch.Tensor, n_acc: torch.Tensor, sel):
-        """Tokens kept per row (after EOS / max_new_tokens), drafts kept, finish code; updates counters."""
-        k = self.k
+        Tokens kept stop at the first EOS of the set among the committed ones and at the
+        row's limit. Everything is computed before the first write.
+        """
+        block = nxt[:, None] if not k else torch.cat([draft.tokens, torch.zeros_like(nxt)[:, None]], dim=1)
+        block = block.scatter(1, n_acc[:, None], nxt[:, None])  # [G, k+1]
         cols = torch.arange(k + 1, device=self.device)[None, :]
         is_eos = torch.isin(block, self.eos) & (cols <= n_acc[:, None])
         first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_acc, k + 1))
-        remaining = self.max_new[sel] - self.gen[sel]
+        remaining = self.state.max_new[sel] - self.state.gen[sel]
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
-        self.gen[sel] += emitted
-        self.drafted[sel] += k
-        self.accepted[sel] += kept
-        self.rounds[sel] += 1
-        return emitted, kept, code
+        host = torch.cat([torch.stack([emitted, kept, code], 1), block], 1)  # [G, 3 + k+1]
+        self.layout.tokens[sel, T : T + k + 1] = block
+        self.layout.end[sel] += emitted
+        self.state.gen[sel] += emitted
+        return host.tolist()
+
+    def _bookkeep(self, slots: list[int], T: int, k: int, draft: Draft,
+                  host: list[list[int]]) -> list[tuple[RowResult, int]]:
+        """Host side of the commit: mirrors, completions, stop strings, acceptance, finished rows."""
+        st, finished = self.state, []
+        for i, s in enumerate(slots):
+            emitted, kept, code, block = host[i][0], host[i][1], host[i][2], host[i][3:]
+            st.end[s] += emitted  # before any stop-string cut: the layout's end on the device
+            st.last_run[s] = self.step_no + 1
+            if draft.source == "model":
+                st.dend[s] = st.end[s] - 2  # the draft is re-fed the last two committed tokens
+            row = st.rows[s].row
+            ids = st.ids[s]
+            ids.extend(block[:emitted])
+            for drafter in self.lookups:
+                drafter.extend(row, block[:emitted])
+            if self.stop_checker is not None:
+                cut = self.stop_checker(ids, emitted)
+                if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
+                    emitted -= len(ids) - cut
+                    kept = min(kept, emitted)
+                    del ids[cut:]
+                    code = _STOP_STRING
+            host[i][0], host[i][1] = emitted, kept
+            if draft.lengths[i]:
+                self.policy.acceptance.observe((draft.sources[i], row), draft.lengths[i], kept)
+            st.drafted[s] += draft.lengths[i]
+            st.accepted[s] += kept
+            st.rounds[s] += 1
+            if code != _RUNNING:
+                finished.append((self._finish(s, _REASONS[code]), s))
+        return finished
 
     def _finish(self, slot: int, reason: str) -> RowResult:
-        req = self.rows[slot]
-        if self.texts[slot] is not None:
-            ids = list(self.texts[slot])
-        else:
-            end, n = self.end_host[slot], int(self.gen[slot])
-            ids = self.layout.tokens[slot, end - n : end].tolist()
-        counters = torch.stack([self.drafted[slot], self.accepted[slot], self.rounds[slot]]).tolist()
-        self.rows[slot] = None
-        self.texts[slot] = None
+        st = self.state
+        req, ids = st.rows[slot], st.ids[slot]
+        result = RowResult(req.row, req.id, list(ids), reason, drafted_tokens=st.drafted[slot],
+                           accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
+                           prompt_tokens=len(req.prompt_ids))
+        st.clear(slot)
         self.live.remove(slot)
-        return RowResult(req.row, req.id, ids, reason, drafted_tokens=counters[0], accepted_tokens=counters[1],
-                         rounds=counters[2], prompt_tokens=len(req.prompt_ids))
+        for drafter in self.lookups:
+            drafter.finish(req.row, result.token_ids)
+        self.policy.acceptance.forget_row(req.row)
+        return result
 
     # ------------------------------------------------------------------ realignment
     @torch.no_grad()
@@ -474,8 +673,9 @@ class Engine:
         With ``compact`` the rows are also moved to slots 0..n-1 (finished rows leave the
         batch). Only rows whose slot or shift changes are touched.
         """
+        st = self.state
         if new_end is None:
-            new_end = max(self.end_host[s] - self.pad_host[s] for s in slots)
+            new_end = max(2, max(st.end[s] - st.pad[s] for s in slots))
         dst = list(range(len(slots))) if compact else list(slots)
         return self._move([(s, d, new_end) for s, d in zip(slots, dst)])
 
@@ -488,8 +688,9 @@ class Engine:
         longest content. A pad column costs every later round an attention read per row
         and layer (target and draft); a move copies a row's content once.
         """
-        floor = max(2, max(self.end_host[s] - self.pad_host[s] for s in slots))  # the draft re-reads 2 columns
-        ends = Counter(self.end_host[s] for s in slots if self.end_host[s] >= floor)
+        st = self.state
+        floor = max(2, max(st.end[s] - st.pad[s] for s in slots))  # the draft re-reads 2 columns
+        ends = Counter(st.end[s] for s in slots if st.end[s] >= floor)
         end = max(ends.items(), key=lambda item: (item[1], -item[0]))[0] if ends else floor
         if self.cfg.trim and end - floor >= max(_TRIM_MIN, end // _TRIM_FRACTION):
             end = floor
@@ -504,9 +705,9 @@ class Engine:
         live row inside it (it trades places with a member); each costs its content length
         (``realign`` copies content only), so a long row stays put when a short one can move.
         """
+        st = self.state
         size, members = len(slots), set(slots)
-        content = [self.end_host[s] - self.pad_host[s] if self.rows[s] is not None else 0
-                   for s in range(self.n_slots)]
+        content = [st.end[s] - st.pad[s] if st.rows[s] is not None else 0 for s in range(self.n_slots)]
         # cost(a) = (members' content outside) + (other rows' content inside), from running sums over the slots
         weight = [-content[s] if s in members else content[s] for s in range(self.n_slots)]
         cost = sum(content[s] for s in slots) + sum(weight[:size])
@@ -527,39 +728,32 @@ class Engine:
         With ``new_end`` the rows are also realigned to that padded length in the same
         move (the mixed-length fallback). Returns the group's new slots and KV entries moved.
         """
+        st = self.state
         a, _ = self._window_for(slots)
         target = range(a, a + len(slots))
         incoming = [s for s in slots if s not in target]
         opening = [d for d in target if d not in slots]  # as many as incoming
         plan = [(s, s, new_end) for s in slots if s in target] + [(s, d, new_end) for s, d in zip(incoming, opening)]
         if new_end is None:
-            plan = [(s, d, self.end_host[s]) for s, d, _ in plan]
+            plan = [(s, d, st.end[s]) for s, d, _ in plan]
         # A live row in an opening slot trades places with the member that comes in.
-        plan += [(d, s, self.end_host[d]) for s, d in zip(incoming, opening) if self.rows[d] is not None]
+        plan += [(d, s, st.end[d]) for s, d in zip(incoming, opening) if st.rows[d] is not None]
         return list(target), self._move(plan)
 
     def _move(self, plan: list[tuple[int, int, int]]) -> int:
-        """Move rows (src slot, dst slot, new padded length) in one realign call, bookkeeping with them."""
-        moving = [(s, d, e) for s, d, e in plan if s != d or self.end_host[s] != e]
+        """Move rows (src slot, dst slot, new padded length): KV and layout first, then the slot state as a unit."""
+        st = self.state
+        moving = [(s, d, e) for s, d, e in plan if s != d or st.end[s] != e]
         if not moving:
             return 0
-        src_t = torch.tensor([s for s, _, _ in moving], dtype=torch.long, device=self.device)
-        dst_t = torch.tensor([d for _, d, _ in moving], dtype=torch.long, device=self.device)
-        ends = torch.tensor([e for _, _, e in moving], dtype=torch.long, device=self.device)
-        moved = realign(self.layout, self._caches(), src_t, dst_t, ends)
-        # Move the per-slot bookkeeping with the rows (host lists first, from a snapshot).
-        snapshot = {s: (self.rows[s], self.end_host[s], self.pad_host[s], self.last_run[s], self.texts[s])
-                    for s, _, _ in moving}
-        for t in (self.gen, self.max_new, self.drafted, self.accepted, self.rounds, self.keys, self.temperature,
-                  self.top_k, self.top_p):
-            t[dst_t] = t[src_t]
-        destinations = {d for _, d, _ in moving}
-        for s, _, _ in moving:
-            if s not in destinations:
-                self.rows[s], self.texts[s] = None, None
-        for s, d, e in moving:
-            row, end, pad, last, texts = snapshot[s]
-            self.rows[d], self.end_host[d], self.pad_host[d] = row, e, pad + e - end
-            self.last_run[d], self.texts[d] = last, texts
-        self.live = sorted(s for s in range(self.n_slots) if self.rows[s] is not None)
+        src, dst = [s for s, _, _ in moving], [d for _, d, _ in moving]
+        moved = realign(self.layout, self._caches(src), src, dst, [st.end[s] for s in src],
+                        [e for _, _, e in moving], [st.pad[s] for s in src])
+        st.move(moving, device_tensor(src, self.device), device_tensor(dst, self.device))
+        self.live = st.live()
         return moved
+
+
+def _goodput(choice: Choice) -> float:
+    """Expected tokens per modelled second (expected tokens when the cost is not modelled)."""
+    return choice.expected_tokens / choice.expected_s if choice.expected_s > 0 else choice.expected_tokens

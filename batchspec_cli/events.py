@@ -67,7 +67,7 @@ class StepStats:
     step: int
     group_kind: str  # same_length | realigned | prefill | ar
     batch_size: int
-    k: int
+    k: int  # the round's speculation length (0: a plain step)
     accepted: list[int]  # per row, drafts accepted and kept this round
     tokens_emitted: int  # tokens committed this round over all rows (after stop cuts)
     pad_before: int  # padding columns in the group's rectangle before the round
@@ -79,3 +79,8 @@ class StepStats:
     realign_ms: float
     gather_ms: float  # time spent assembling groups from the pool (EXSPEC index reads)
     total_ms: float
+    drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
+    drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
+    expected_tokens: float = 0.0  # the policy's expected committed tokens for this round (before stops)
+    expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
+    plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group

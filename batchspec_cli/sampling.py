@@ -1,24 +1,27 @@
-"""Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023) as pure torch functions.
+"""Sampling as pure torch functions: warping, and Gumbel-max coupling of draft and target.
 
-A round proposes ``k`` draft tokens ``d_1..d_k`` sampled from the draft's warped
-distributions ``q_1..q_k``; the target gives warped distributions ``p_1..p_{k+1}`` in one
-forward. Draft ``d_i`` is *accepted* with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the
-first rejection the *correction* is sampled from ``normalize(max(0, p_i - q_i))``; when all k
-are accepted the *bonus* is sampled from ``p_{k+1}``. The committed tokens are then
-distributed exactly as the target's own samples. Greedy rows (temperature 0) are the special
-case where p and q are one-hot: acceptance becomes "draft == target argmax".
+The rule (Daliri, Musco and Suresh 2024, "Coupling without communication and
+drafter-invariant speculative decoding"): every (row, completion position, token id) has a
+standard Gumbel noise ``g`` that is a pure function of the row's key (seed and id), the
+position and the token id (``gumbel``: a counter-based hash, no generator state). Then
 
-Randomness is *keyed*, not drawn from a global generator: the uniform that decides a token is
-a pure function of (row key, completion position, stream), so a row's completion does not
-depend on batch size, grouping, bucket order or a resumed run. The three streams keep the
-draft's sample, the acceptance test and the correction/bonus sample on separate draws. A
-round that commits tokens at positions ``L..L+n`` only ever reads uniforms at those
-positions (the drafts it discards were sampled at positions > L+n and their draws are not
-part of the outcome), so the next round, starting at ``L+n+1``, draws fresh uniforms.
+- the target's token at a position is ``argmax_v(log p_warped[v] + g[v])``: exactly a sample
+  of the warped target distribution (the Gumbel-max trick), ``-inf`` outside top-k/top-p;
+- the draft proposes ``argmax_v(log q_warped[v] + g[v])`` with the same noise, and a draft
+  is *accepted* iff it equals the target's token; the first disagreement is replaced by
+  the target's token (the *correction*), and when all k agree the target's token at k+1 is
+  the *bonus*;
+- greedy rows are the same rule with ``g = 0`` (the argmax of the raw logits).
 
-Shapes: ``B`` rows, ``k`` drafts per round, ``V`` vocabulary. Nothing here syncs with the
-host except ``warp_probs``' check of whether any row filters (free when the per-row settings
-live on the CPU).
+So a sampled row is a function of (seed, id, prompt, target, sampling settings) alone: the
+same under any mode, draft, k schedule, batch or window (bit for bit in float64; up to float
+near-ties in float32, as greedy rows). Acceptance is somewhat below standard rejection
+sampling: at least (1 - d) / (1 + d) against 1 - d, d the total variation between warped q
+and p. ``speculative_accept`` (Leviathan et al. 2023) is kept for measuring that difference
+(``benchmarks/acceptance.py``); the engine does not use it.
+
+Shapes: ``B`` rows, ``n`` positions, ``V`` vocabulary. Nothing here syncs with the host
+when the callers pass the filter flags they know (``warp_probs``' ``filters``).
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ def keyed_uniform(keys: Tensor, positions: Tensor, stream: int) -> Tensor:
     return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
-def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+               filters: tuple[bool, bool] | None = None) -> Tensor:
     """Warped next-token probabilities, in float64, in Hugging Face's order.
 
     logits: [B, n, V] any float dtype; temperature: [B] (<= 0: greedy); top_k: [B] int
@@ -90,14 +94,15 @@ def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor
     Temperature scales the logits, top-k keeps every token whose logit ties or beats the
     k-th largest, top-p then keeps the smallest most-probable set whose mass reaches top_p
     (always the top token). Greedy rows get a one-hot on the argmax of the raw logits.
-    Keep the [B] settings on the CPU to skip the sort, without a device sync, when no row
-    filters.
+    ``filters`` = (any row has top-k, any row has top-p), known on the host; when omitted it
+    is read from the tensors (a device sync where they live on an accelerator).
     """
     device = logits.device
     x = logits.to(torch.float64)
     vocab = x.shape[-1]
-    any_top_k = bool((top_k > 0).any())
-    any_top_p = bool((top_p < 1.0).any())
+    if filters is None:
+        filters = bool((top_k > 0).any()), bool((top_p < 1.0).any())
+    any_top_k, any_top_p = filters
     temperature = temperature.to(device=device, dtype=torch.float64)
     top_k = top_k.to(device=device, dtype=torch.int64)
     top_p = top_p.to(device=device, dtype=torch.float64)
@@ -123,6 +128,79 @@ def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor
 
     one_hot = torch.zeros_like(probs).scatter(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None, None], one_hot, probs)
+
+
+_NOISE_SALT = _i64(0x6A09E667F3BCC909)  # keeps the noise apart from the uniform streams
+
+
+def noise_base(keys: Tensor, positions: Tensor) -> Tensor:
+    """Per (row, position) seeds of the Gumbel noise. keys: [B] int64; positions: [B, n] -> [B, n] int64."""
+    keys = keys.to(torch.int64)
+    positions = positions.to(device=keys.device, dtype=torch.int64)
+    row = _mix64(keys ^ _NOISE_SALT)  # [B]
+    return _mix64(row[:, None] + (positions + 1) * _GOLDEN)
+
+
+def gumbel(base: Tensor, tokens: Tensor) -> Tensor:
+    """Standard Gumbel noise for token ids under ``noise_base`` seeds (broadcast together), float64.
+
+    A splitmix64 step indexed by the token id; its top 53 bits make ``u`` in (0, 1), and
+    ``g = -log(-log u)``.
+    """
+    z = _mix64(base + (tokens.to(torch.int64) + 1) * _MIX1)
+    u = (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, base: Tensor,
+                  sampled: list[bool], filters: tuple[bool, bool]) -> Tensor:
+    """The coupled token at each position: argmax(log p_warped + g), or the raw argmax for greedy rows.
+
+    logits: [B, n, V]; temperature, top_k, top_p: [B] per-row settings on the device; base:
+    [B, n] ``noise_base`` seeds; sampled: [B] host flags (temperature > 0); filters: host
+    flags (any top-k, any top-p) among the sampled rows. Returns [B, n] int64.
+
+    Noise is needed only where the warped probability is positive: on the CPU it is drawn
+    for those entries alone (top-k/top-p leave a few per position), on an accelerator for
+    the whole vocabulary at once (no host sync for a data-dependent size). The values are
+    the same either way.
+    """
+    argmax = logits.argmax(-1)  # [B, n]
+    if not any(sampled):
+        return argmax
+    rows = [i for i, s in enumerate(sampled) if s]
+    index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True) if len(rows) < len(sampled) \
+        else None
+    pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
+    probs = warp_probs(pick(logits), pick(temperature), pick(top_k), pick(top_p), filters)  # [S, n, V]
+    base = pick(base)
+    if logits.device.type == "cpu" and (filters[0] or filters[1]):
+        support = (probs > 0).nonzero(as_tuple=True)  # (row, position, token) with p > 0
+        scores = torch.full_like(probs, float("-inf"))
+        scores[support] = probs[support].log() + gumbel(base[support[0], support[1]], support[2])
+    else:
+        vocab = torch.arange(probs.shape[-1], device=probs.device)
+        scores = probs.log() + gumbel(base[..., None], vocab)  # -inf where p = 0
+    chosen = scores.argmax(-1)
+    if index is None:
+        return chosen
+    return argmax.index_copy(0, index, chosen)
+
+
+def coupled_accept(drafts: Tensor, lengths: Tensor | None, target_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Accept the longest prefix of drafts equal to the target's own tokens.
+
+    drafts: [B, k]; lengths: [B] real drafts per row (the rest is filler), None when all k
+    are real; target_tokens: [B, k+1] (``gumbel_tokens`` of the verify logits). Returns
+    (n_accepted [B] int64, next_token [B] int64): the target's token at n_accepted, the
+    correction, or the bonus when every real draft was accepted.
+    """
+    k = drafts.shape[1]
+    match = drafts == target_tokens[:, :k]  # [B, k]
+    if lengths is not None:
+        match &= torch.arange(k, device=drafts.device)[None, :] < lengths[:, None]
+    n_accepted = match.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+    return n_accepted, target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
 
 
 def sample_from(probs: Tensor, u: Tensor) -> Tensor:

@@ -22,6 +22,13 @@ def marked_cache(n_slots: int, capacity: int, layers: int = 2) -> SlotCache:
     return cache
 
 
+def move(layout: Layout, caches, src: list[int], dst: list[int], new_end) -> int:
+    """``realign`` with the host mirrors read off the layout and one lag per cache."""
+    ends, pads = [int(layout.end[s]) for s in src], [int(layout.pad[s]) for s in src]
+    new_ends = [new_end] * len(src) if isinstance(new_end, int) else list(new_end)
+    return realign(layout, [(cache, [lag] * len(src)) for cache, lag in caches], src, dst, ends, new_ends, pads)
+
+
 def docstring_example() -> Layout:
     """The three rows of align.py's docstring after their round (ends 9, 7, 8; pads 2, 0, 3)."""
     layout = Layout.empty(3, 12, torch.device("cpu"))
@@ -35,8 +42,8 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
     layout = docstring_example()
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
     old_tokens = layout.tokens.clone()
-    src = torch.tensor([0, 2])  # row 1 already ends at 7: it does not move
-    moved = realign(layout, [(target, 1), (draft, 2)], src, src, new_end=7)
+    src = [0, 2]  # row 1 already ends at 7: it does not move
+    moved = move(layout, [(target, 1), (draft, 2)], src, src, 7)
     assert layout.end.tolist() == [7, 7, 7]
     assert layout.pad.tolist() == [0, 0, 2]
     # Content of each row, right-aligned at column 7, unchanged in order.
@@ -60,8 +67,7 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
 def test_realign_compacts_rows_into_lower_slots():
     layout = docstring_example()
     cache = marked_cache(3, 12, layers=1)
-    src, dst = torch.tensor([2]), torch.tensor([0])  # row 0 finished; row 2 moves into slot 0, same end
-    realign(layout, [(cache, 1)], src, dst, new_end=8)
+    move(layout, [(cache, 1)], [2], [0], 8)  # row 0 finished; row 2 moves into slot 0, same end
     assert layout.end[0] == 8 and layout.pad[0] == 3
     assert layout.tokens[0, 3:8].tolist() == list(range(203, 208))
     assert cache.keys[0][0, 0, 3:7, 0].tolist() == [203, 204, 205, 206]
@@ -73,7 +79,7 @@ def test_realign_with_per_row_ends_swaps_rows_between_slots():
     cache = marked_cache(3, 12, layers=1)
     old_tokens = layout.tokens.clone()
     # Row 0 (end 9) and row 2 (end 8) trade slots; row 2 is also realigned to end 9 on the way.
-    moved = realign(layout, [(cache, 1)], torch.tensor([0, 2]), torch.tensor([2, 0]), torch.tensor([9, 9]))
+    moved = move(layout, [(cache, 1)], [0, 2], [2, 0], [9, 9])
     assert layout.end.tolist() == [9, 7, 9] and layout.pad.tolist() == [4, 0, 2]
     assert layout.tokens[2, 2:9].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[0, 4:9].tolist() == old_tokens[2, 3:8].tolist()
@@ -87,7 +93,7 @@ def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
     cache = marked_cache(3, 12, layers=1)
     old_tokens = layout.tokens.clone()
     # Row 0 shifts left by 2 (end 9 -> 7) while row 2 moves right to 11: reads past row 0's end are clamped.
-    realign(layout, [(cache, 1)], torch.tensor([0, 2]), torch.tensor([0, 2]), torch.tensor([7, 11]))
+    move(layout, [(cache, 1)], [0, 2], [0, 2], [7, 11])
     assert layout.end.tolist() == [7, 7, 11] and layout.pad.tolist() == [0, 0, 6]
     assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[2, 6:11].tolist() == old_tokens[2, 3:8].tolist()
@@ -97,8 +103,62 @@ def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
 
 def test_realign_of_nothing_moves_nothing():
     layout = docstring_example()
-    assert realign(layout, [(marked_cache(3, 12), 1)], torch.tensor([], dtype=torch.long),
-                   torch.tensor([], dtype=torch.long), new_end=9) == 0
+    assert move(layout, [(marked_cache(3, 12), 1)], [], [], 9) == 0
+
+
+def test_realign_moves_each_row_by_its_own_lag():
+    """A draft cache that lags differently per row (plain steps, lazy prefill) moves only what it covers."""
+    layout = docstring_example()
+    draft = marked_cache(3, 12, layers=1)
+    before = draft.keys[0].clone()
+    # Row 0 covers [0, 7) (lag 2), row 2 covers nothing yet (lag = its content 5: a draft never prefilled).
+    moved = realign(layout, [(draft, [2, 5])], [0, 2], [0, 2], [9, 8], [7, 7], [2, 3])
+    assert draft.keys[0][0, 0, 0:5, 0].tolist() == [2, 3, 4, 5, 6]
+    assert torch.equal(draft.keys[0][2], before[2])  # nothing of row 2 was copied
+    assert moved == 5
+
+
+def _fail_on_call(n: int, real):
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise torch.OutOfMemoryError("injected")
+        return real(*args, **kwargs)
+    return wrapper, calls
+
+
+def test_realign_out_of_memory_midway_leaves_layout_and_caches_as_they_were(monkeypatch):
+    layout = docstring_example()
+    target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
+    snapshot = [layout.tokens.clone(), layout.pad.clone(), layout.end.clone()] + \
+        [t.clone() for c in (target, draft) for t in c.keys + c.values]
+    fail, calls = _fail_on_call(3, align._gather)  # after two layers' copies were made
+    monkeypatch.setattr(align, "_gather", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        move(layout, [(target, 1), (draft, 2)], [0, 2], [0, 2], 7)
+    assert calls["n"] == 3
+    after = [layout.tokens, layout.pad, layout.end] + [t for c in (target, draft) for t in c.keys + c.values]
+    assert all(torch.equal(a, b) for a, b in zip(after, snapshot))
+
+
+def test_grow_is_all_or_nothing_and_falls_back_to_the_exact_need(monkeypatch):
+    cache = marked_cache(2, 64, layers=3)
+    snapshot = [t.clone() for t in cache.keys + cache.values]
+    real = SlotCache._new_buffer
+    fail, calls = _fail_on_call(2, real)  # the generous size fails after one layer was allocated
+    monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(fail))
+    cache.grow(70)
+    assert cache.capacity == 72  # exactly what was needed (rounded to 8), not 64 + a quarter
+    assert all(torch.equal(t[:, :, :64], old) for t, old in zip(cache.keys + cache.values, snapshot))
+
+    def always(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+    monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(always))
+    with pytest.raises(align.CacheFull):
+        cache.grow(200)
+    assert cache.capacity == 72 and all(t.shape[2] == 72 for t in cache.keys + cache.values)
 
 
 def test_attention_inputs_mask_and_positions():

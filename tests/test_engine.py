@@ -264,8 +264,8 @@ def test_exspec_assembles_a_group_where_the_fewest_kv_entries_move(target, draft
     engine._reset()
     # slot 0: member, 100 tokens; slot 1: another row, 5 tokens; slot 4: member, 5 tokens; the rest free.
     for slot, content in ((0, 100), (1, 5), (4, 5)):
-        engine.rows[slot] = Request(row=slot, id=str(slot), prompt_ids=[5] * content, max_new_tokens=4)
-        engine.end_host[slot], engine.pad_host[slot] = 100, 100 - content
+        engine.state.rows[slot] = Request(row=slot, id=str(slot), prompt_ids=[5] * content, max_new_tokens=4)
+        engine.state.end[slot], engine.state.pad[slot] = 100, 100 - content
     # Range [0, 2) moves two short rows (10 entries per layer); [3, 5) would move one long row (100).
     assert engine._window_for([0, 4]) == (0, 10)
 

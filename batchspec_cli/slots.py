@@ -1,0 +1,97 @@
+"""Per-slot state of the engine's pool, as one object that moves as a unit.
+
+A *slot* holds one in-flight row. What the round's tensors need lives on the device as
+``[slots]`` tensors (completion position, limit, noise key, sampling settings); everything
+the host decides with lives in host lists, updated at the round's one sync (the row, its
+padded length and padding, how far the draft cache reaches, its committed completion ids
+and counters). ``move`` carries every field from source to destination slots at once, so
+a realignment or a group's assembly can never leave one field behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .events import Request
+
+DEVICE_FIELDS = ("gen", "max_new", "keys", "temperature", "top_k", "top_p")
+
+
+@dataclass
+class SlotState:
+    # device, [slots]
+    gen: torch.Tensor  # [slots] int64 completion tokens committed
+    max_new: torch.Tensor  # [slots] int64 completion limit
+    keys: torch.Tensor  # [slots] int64 row key of the Gumbel noise
+    temperature: torch.Tensor  # [slots] float64 (0: greedy)
+    top_k: torch.Tensor  # [slots] int64 (0: off)
+    top_p: torch.Tensor  # [slots] float64 (1: off)
+    # host, per slot
+    rows: list = field(default_factory=list)  # Request or None (free slot)
+    end: list = field(default_factory=list)  # padded length (mirror of Layout.end)
+    pad: list = field(default_factory=list)  # left padding (mirror of Layout.pad)
+    dend: list = field(default_factory=list)  # the draft cache covers columns [0, dend)
+    last_run: list = field(default_factory=list)  # step at which the row last ran
+    ids: list = field(default_factory=list)  # committed completion ids (a list per live slot)
+    drafted: list = field(default_factory=list)
+    accepted: list = field(default_factory=list)
+    rounds: list = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> "SlotState":
+        zeros = torch.zeros(n, dtype=torch.long, device=device)
+        host = {f.name: [None if f.name in ("rows", "ids") else 0] * n for f in fields(cls)
+                if f.name not in DEVICE_FIELDS}
+        return cls(gen=zeros, max_new=zeros.clone(), keys=zeros.clone(),
+                   temperature=torch.zeros(n, dtype=torch.float64, device=device), top_k=zeros.clone(),
+                   top_p=torch.ones(n, dtype=torch.float64, device=device), **host)
+
+    def host_fields(self) -> list[list]:
+        return [getattr(self, f.name) for f in fields(self) if f.name not in DEVICE_FIELDS]
+
+    def live(self) -> list[int]:
+        return [s for s, row in enumerate(self.rows) if row is not None]
+
+    def place(self, slots: list[int], requests: list[Request], end: int, keys: list[int], limits: list[int],
+              device) -> None:
+        """Start rows in free slots, left-padded to the common padded length ``end`` (the draft covers nothing)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=device)
+        self.gen[idx] = 0
+        self.max_new[idx] = torch.tensor(limits, device=device)
+        self.keys[idx] = torch.tensor(keys, device=device)
+        self.temperature[idx] = torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float64,
+                                             device=device)
+        self.top_k[idx] = torch.tensor([r.sampling.top_k for r in requests], device=device)
+        self.top_p[idx] = torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float64, device=device)
+        for s, req in zip(slots, requests):
+            self.rows[s], self.end[s], self.pad[s] = req, end, end - len(req.prompt_ids)
+            self.dend[s] = self.pad[s]
+            self.ids[s] = []
+            self.drafted[s] = self.accepted[s] = self.rounds[s] = 0
+
+    def clear(self, slot: int) -> None:
+        self.rows[slot], self.ids[slot] = None, None
+
+    def move(self, plan: list[tuple[int, int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Carry every field of rows ``(src slot, dst slot, new padded length)`` along; src/dst as device indices.
+
+        Sources are read before anything is written (a permutation is fine); a source slot
+        that no row moves into becomes free. A row's padding and draft reach shift with its end.
+        """
+        for name in DEVICE_FIELDS:
+            tensor = getattr(self, name)
+            tensor[dst] = tensor[src]
+        snapshot = [[values[s] for values in self.host_fields()] for s, _, _ in plan]
+        destinations = {d for _, d, _ in plan}
+        for s, _, _ in plan:
+            if s not in destinations:
+                self.clear(s)
+        names = [f.name for f in fields(self) if f.name not in DEVICE_FIELDS]
+        for (s, d, new_end), values in zip(plan, snapshot):
+            row = dict(zip(names, values))
+            shift = new_end - row["end"]
+            row["end"], row["pad"], row["dend"] = new_end, row["pad"] + shift, row["dend"] + shift
+            for name, value in row.items():
+                getattr(self, name)[d] = value
