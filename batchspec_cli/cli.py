@@ -58,8 +58,10 @@ def generate(
     output: Annotated[Path, typer.Argument(help="Completions .parquet file to write.")],
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    mode: Annotated[str, typer.Option(help="exspec | eqspec | ar")] = "exspec",
-    draft_tokens: Annotated[int, typer.Option("--draft-tokens", "-k", help="Draft tokens per round.")] = 5,
+    mode: Annotated[str, typer.Option(help="auto (k chosen every round from measured costs) | exspec | eqspec | "
+                                       "ar")] = "auto",
+    draft_tokens: Annotated[int, typer.Option("--draft-tokens", "-k", help="Draft tokens per round (auto: the "
+                                              "most).")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 8,
     window: Annotated[Optional[int], typer.Option(help="EXSPEC pool size (default 4 x batch size).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,

@@ -37,7 +37,7 @@ from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, ha
 from .engine import Engine, EngineConfig, ModelHandle
 from .events import Request, RowResult, Sampling, StepStats
 
-MODES = ("ar", "eqspec", "exspec")
+MODES = ("auto", "ar", "eqspec", "exspec")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
@@ -52,7 +52,7 @@ class GenerateConfig:
     stats: Path | None = None
     target: str | None = None
     draft: str | None = None
-    mode: str = "exspec"
+    mode: str = "auto"
     k: int = 5
     batch_size: int = 8
     window: int | None = None  # default 4 x batch size

@@ -57,7 +57,7 @@ def references(target_dir: Path, max_new: int, chat: bool = True) -> list[list[i
     return out
 
 
-@pytest.mark.parametrize("mode", ["ar", "eqspec", "exspec"])
+@pytest.mark.parametrize("mode", ["auto", "ar", "eqspec", "exspec"])
 def test_generate_jsonl_every_mode_matches_greedy(tmp_path, prompts_jsonl, model_dirs, mode):
     target, draft = model_dirs
     out = tmp_path / "out.parquet"

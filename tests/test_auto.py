@@ -1,0 +1,240 @@
+"""`auto` and the Gumbel-max coupling: the policy's choices, and outputs that no choice can change."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from batchspec_cli import sampling
+from batchspec_cli.control import AutoK, Choice, FixedK, expected_tokens
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+from batchspec_cli.events import Request, RowResult, Sampling, StepStats
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------- the policy, with invented numbers
+
+
+def policy_with(verify: dict[int, float], draft_step: float, draft_feed: float, group: int = 8, k: int = 5) -> AutoK:
+    policy = AutoK(k)
+    for width, seconds in verify.items():
+        policy.verify.observe(group, width, seconds)
+    policy.draft_step.observe(group, 1, draft_step)
+    for width in (2, k + 1):
+        policy.draft_feed.observe(group, width, draft_feed)
+    return policy
+
+
+def test_policy_picks_a_plain_step_when_verifying_is_dear():
+    # This CPU at batch 8: a (k+1)-token verify costs ~1 + 0.3 k steps, a draft step 0.15 of one.
+    policy = policy_with({w: 0.2 * (1 + 0.3 * (w - 1)) for w in range(1, 7)}, 0.03, 0.035)
+    keys = [("model", r) for r in range(8)]
+    for r in range(8):  # rows that accept a third of their drafts (Spec-Bench: 0.38)
+        for accepted in (0, 1) * 10:
+            policy.acceptance.observe(("model", r), 5, accepted)
+    assert policy.acceptance.row(keys[0]) == pytest.approx(1 / 3, abs=0.05)
+    assert policy.choose(8, keys, None, 2, 100.0, True).k == 0
+    assert not policy.wants_draft()
+
+
+def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
+    policy = policy_with({w: 0.2 for w in range(1, 7)}, 0.0, 0.0)
+    keys = [("model", r) for r in range(8)]
+    for r in range(8):
+        for _ in range(20):
+            policy.acceptance.observe(("model", r), 5, 5)
+    choice = policy.choose(8, keys, None, 2, 100.0, True)
+    assert choice.k == 5 and choice.expected_tokens > 8 * 5
+    assert policy.wants_draft()
+
+
+def test_policy_follows_each_row_and_the_drafts_it_has():
+    policy = policy_with({w: 0.1 * (1 + 0.1 * (w - 1)) for w in range(1, 7)}, 0.0, 0.0, group=2)
+    good, bad = ("suffix", 0), ("suffix", 1)
+    for _ in range(30):
+        policy.acceptance.observe(good, 5, 5)
+        policy.acceptance.observe(bad, 5, 0)
+    assert policy.acceptance.row(good) > 0.9 and policy.acceptance.row(bad) < 0.3
+    # Model-free drafts: k is bounded by the longest proposal, and no proposal means a plain step.
+    assert policy.choose(2, [good, bad], [3, 0], 0, 100.0, False).k == 3
+    assert policy.choose(2, [good, bad], [0, 0], 0, 100.0, False).k == 0
+
+
+def test_policy_charges_a_lagging_draft_its_catch_up():
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012)
+    policy.draft_feed.observe(8, 6, 0.012 + 4 * 0.05)  # each fed column costs 0.05 s (a dear draft prefill)
+    keys = [("model", r) for r in range(8)]
+    for r in range(8):
+        for _ in range(20):
+            policy.acceptance.observe(("model", r), 5, 3)
+    assert policy.choose(8, keys, None, 2, 100.0, True).k > 0
+    assert policy.choose(8, keys, None, 400, 2.0, True).k == 0  # 400 columns to feed for 2 tokens left
+    assert policy.choose(8, keys, None, 400, 10_000.0, True).k > 0  # ... or spread over a long completion
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+# ---------------------------------------------------------------------------- outputs under any k schedule
+
+MAX_NEW = 13
+
+
+class RandomK(FixedK):
+    """An injected schedule: a random k in 0..max every round, a random choice of eager or lazy draft prefill."""
+
+    def __init__(self, max_k: int, seed: int):
+        super().__init__(max_k)
+        self.rng = random.Random(seed)
+
+    def wants_draft(self) -> bool:
+        return self.rng.random() < 0.5
+
+    def choose(self, group, keys, draft_lengths, catch_up, remaining, model_draft) -> Choice:
+        return Choice(self.rng.randint(0, self.k), 0.0, 0.0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return perturbed_copy(target, scale=0.01, seed=1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(5)
+    return [[rng.randrange(4, TINY_VOCAB_SIZE) for _ in range(rng.randint(1, 24))] for _ in range(18)]
+
+
+def run(target, draft, prompts, *, mode, k=4, batch_size=4, policy=None, settings=Sampling(), max_new=MAX_NEW,
+        eos=(1,), window=None, lookups=None):
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
+                    list(eos), EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size),
+                    policy=policy, lookups=lookups)
+    results, stats = {}, []
+    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, sampling=settings)
+                            for i, p in enumerate(prompts)):
+        if isinstance(event, RowResult):
+            assert event.row not in results
+            results[event.row] = event
+        else:
+            stats.append(event)
+    assert sorted(results) == list(range(len(prompts)))
+    return results, stats
+
+
+SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9, seed=11)
+
+
+@pytest.mark.parametrize("batch_size,k,mode,seed", [(1, 3, "exspec", 1), (2, 5, "auto", 2), (4, 2, "eqspec", 3),
+                                                    (7, 4, "auto", 4), (11, 6, "exspec", 5), (16, 3, "auto", 6)])
+def test_outputs_equal_ar_under_a_random_k_schedule(target, draft, prompts, batch_size, k, mode, seed):
+    references = [greedy_reference(target, p, MAX_NEW, [1]) for p in prompts]
+    results, stats = run(target, draft, prompts, mode=mode, k=k, batch_size=batch_size, policy=RandomK(k, seed))
+    assert [results[i].token_ids for i in range(len(prompts))] == references
+    assert len({s.k for s in stats if s.group_kind != "prefill"}) > 2, "the schedule varied k"
+    sampled_ar, _ = run(target, None, prompts, mode="ar", batch_size=batch_size, settings=SAMPLED)
+    sampled, _ = run(target, draft, prompts, mode=mode, k=k, batch_size=batch_size, policy=RandomK(k, seed + 50),
+                     settings=SAMPLED)
+    assert {r: e.token_ids for r, e in sampled.items()} == {r: e.token_ids for r, e in sampled_ar.items()}
+
+
+def test_sampled_rows_identical_across_modes_drafts_and_schedules(target, draft, prompts):
+    reference, _ = run(target, None, prompts, mode="ar", batch_size=1, settings=SAMPLED)
+    other_draft = make_tiny_llama(TINY_VOCAB_SIZE, seed=9, layers=1)
+    for mode, d, batch_size, policy in [("auto", draft, 8, None), ("exspec", draft, 3, None),
+                                        ("eqspec", other_draft, 5, None), ("exspec", target, 16, RandomK(5, 7)),
+                                        ("auto", other_draft, 4, RandomK(5, 8))]:
+        results, _ = run(target, d, prompts, mode=mode, k=5, batch_size=batch_size, settings=SAMPLED, policy=policy)
+        for row, ref in reference.items():
+            assert results[row].token_ids == ref.token_ids, (mode, batch_size, row)
+    assert any(len(r.token_ids) > 3 for r in reference.values())
+
+
+def test_auto_equals_ar_and_records_its_choices(target, draft, prompts):
+    references = [greedy_reference(target, p, MAX_NEW, [1]) for p in prompts]
+    results, stats = run(target, draft, prompts, mode="auto", k=4, batch_size=4)
+    assert [results[i].token_ids for i in range(len(prompts))] == references
+    rounds = [s for s in stats if s.group_kind != "prefill"]
+    assert all(0 <= s.k <= 4 and s.expected_tokens >= s.batch_size * (s.k > 0) for s in rounds)
+    assert all(s.plain_ms > 0 for s in rounds), "the policy's costs are measured (calibration)"
+    assert all(s.drafter == ("model" if s.k else "") for s in rounds)
+
+
+# ---------------------------------------------------------------------------- the sampled distribution
+
+V = 24
+
+
+def exact_joint(target, prompt: list[int], settings: Sampling) -> dict[tuple[int, int], float]:
+    """P(first two tokens) under the warping, by enumeration."""
+    def probs(ids):
+        logits = target(torch.tensor([ids])).logits[:, -1:]
+        one = torch.ones(1, dtype=torch.float64)
+        return sampling.warp_probs(logits, one * settings.temperature, torch.tensor([settings.top_k]),
+                                   one * settings.top_p)[0, 0]
+    with torch.no_grad():
+        first = probs(prompt)
+        return {(a, b): float(first[a] * probs(prompt + [a])[b]) for a, b in itertools.product(range(V), repeat=2)
+                if first[a] > 0}
+
+
+def sampled_tv(target, draft, settings: Sampling, n: int) -> tuple[float, float, float]:
+    """(total variation of the first two tokens against the exact joint, its bound, draft acceptance)."""
+    prompt = [3, 5, 2]
+    exact = exact_joint(target, prompt, settings)
+    results, _ = run(target, draft, [prompt] * n, mode="exspec", k=2, batch_size=512, window=1024, settings=settings,
+                     max_new=2, eos=())
+    counts = Counter(tuple(r.token_ids) for r in results.values())
+    support = [key for key, p in exact.items() if p > 0]
+    tv = 0.5 * (sum(abs(counts.get(key, 0) / n - exact[key]) for key in support) +
+                sum(c for key, c in counts.items() if exact.get(key, 0) == 0) / n)
+    accepted = sum(r.accepted_tokens for r in results.values()) / sum(r.drafted_tokens for r in results.values())
+    return tv, 3 * math.sqrt(len(support)) / math.sqrt(n), accepted
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = make_tiny_llama(V, seed=2, layers=1, hidden=32, heads=2, kv_heads=1, eos_token_id=[], pad_token_id=0)
+    draft = make_tiny_llama(V, seed=3, layers=1, hidden=32, heads=2, kv_heads=1, eos_token_id=[], pad_token_id=0)
+    return target, draft
+
+
+@pytest.mark.parametrize("settings", [Sampling(temperature=0.7, top_p=0.9, seed=5),
+                                      Sampling(temperature=1.0, top_k=20, seed=6)])
+def test_gumbel_sampling_through_the_engine_matches_the_warped_target(small_pair, settings):
+    target, draft = small_pair
+    tv, bound, accepted = sampled_tv(target, draft, settings, 2 ** 15)
+    assert tv < bound, (tv, bound)
+    assert 0.05 < accepted < 0.95, "both acceptances and corrections occur"
+
+
+def _accept_everything(drafts, lengths, target_tokens):
+    k = drafts.shape[1]
+    return torch.full_like(drafts[:, 0], k), target_tokens[:, k]
+
+
+
+@pytest.mark.parametrize("broken", ["accept_everything", "noise_without_positions"])
+def test_a_broken_rule_fails_the_statistical_test(small_pair, monkeypatch, broken):
+    target, draft = small_pair
+    if broken == "accept_everything":
+        monkeypatch.setattr(sampling, "coupled_accept", _accept_everything)
+    else:
+        real = sampling.noise_base
+        monkeypatch.setattr(sampling, "noise_base", lambda keys, positions: real(keys, positions * 0))
+    tv, bound, _ = sampled_tv(target, draft, Sampling(temperature=0.7, top_p=0.9, seed=5), 2 ** 15)
+    assert tv > bound, (tv, bound)
