@@ -251,7 +251,9 @@ def verify(
     threads: ThreadsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Re-decode rows one at a time with plain greedy decoding and compare (exit 1 on an unexplained mismatch)."""
+    """Re-decode rows one at a time with plain decoding and compare (exit 1 on an unexplained mismatch).
+
+    Greedy rows are re-decoded greedily; sampled rows with the same keyed Gumbel noise as the run."""
     from . import io as bio
     from . import models
     from .verify import verify_run
@@ -267,7 +269,7 @@ def verify(
         report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device)
     except (bio.InputError, models.ModelError) as exc:
         raise fail(str(exc)) from None
-    out.print(f"checked {report.checked} rows ({report.skipped} error or sampled rows skipped): {report.exact} exact "
+    out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
               f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
               f"{len(report.unexplained)} unexplained (tolerance {report.tolerance:g})", highlight=False)
     if report.mismatches:

@@ -1,10 +1,13 @@
-"""Audit a finished run: re-decode rows one at a time with plain greedy decoding.
+"""Audit a finished run: re-decode rows one at a time with plain decoding.
 
 The reference is Hugging Face ``generate(do_sample=False)`` on one prompt, batch 1, no
-padding — no engine code. For each mismatch we report the first differing position
-and, there, the reference's logit for its own token minus its logit for the token the
-run chose (the *margin*). A margin below the tolerance is a float near-tie (DESIGN §5);
-anything else is *unexplained*.
+padding — no engine code. Greedy rows take the argmax of the logits; sampled rows the
+argmax of the warped log-probabilities plus the row's keyed Gumbel noise (a logits
+processor over ``sampling``'s pure functions: the same noise any run of that row drew,
+whatever its mode, draft, k or batch). For each mismatch we report the first differing
+position and, there, the reference's score for its own token minus its score for the
+token the run chose (the *margin*). A margin below the tolerance is a float near-tie
+(DESIGN §5); anything else is *unexplained*.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from . import io as bio
 from . import models
+from . import sampling
 
 DEFAULT_TOLERANCE = 1e-3
 
@@ -36,7 +40,7 @@ class Mismatch:
 class VerifyReport:
     checked: int
     exact: int
-    skipped: int  # error rows and sampled rows
+    skipped: int  # error rows
     tolerance: float
     mismatches: list[Mismatch] = field(default_factory=list)
 
@@ -67,11 +71,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
     rows = table.to_pylist()
-    candidates = [i for i, r in enumerate(rows)
-                  if r["finish_reason"] != "error" and _row_setting(meta, r, "temperature", 0.0) <= 0]
+    candidates = [i for i, r in enumerate(rows) if r["finish_reason"] != "error"]
     skipped = len(rows) - len(candidates)
-    if rows and not candidates:
-        raise bio.InputError(f"{path}: no greedy rows to check (verify re-decodes greedy rows; this run sampled)")
     if sample is not None and sample < len(candidates):
         candidates = sorted(random.Random(seed).sample(candidates, sample))
     prompt_column = meta.get("prompt_column", "prompt")
@@ -83,7 +84,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         prompt = bio.parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
         prompt_ids = bio.render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
         run = list(r["completion_token_ids"])
-        ref, logits = _greedy(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos)
+        noise = _noise_for(meta, r, len(prompt_ids), model.device)
+        ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise)
         report.checked += 1
         mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance)
         if mismatch is None:
@@ -104,18 +106,49 @@ def _row_setting(meta: dict, row: dict, name: str, default):
     return default if value is None else value
 
 
+class KeyedGumbel:
+    """A logits processor: warped log-probabilities plus the row's keyed Gumbel noise at each position."""
+
+    def __init__(self, key: int, prompt_len: int, temperature: float, top_k: int, top_p: float, device):
+        self.prompt_len = prompt_len
+        self.key = torch.tensor([key], dtype=torch.long, device=device)
+        self.settings = (torch.tensor([temperature], dtype=torch.float64), torch.tensor([top_k]),
+                         torch.tensor([top_p], dtype=torch.float64))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        # input_ids: [1, prompt + generated]; scores: [1, V]
+        position = torch.tensor([[input_ids.shape[1] - self.prompt_len]], device=scores.device)
+        probs = sampling.warp_probs(scores[:, None], *self.settings)[:, 0]  # [1, V] float64
+        vocab = torch.arange(scores.shape[-1], device=scores.device)
+        return probs.log() + sampling.gumbel(sampling.noise_base(self.key, position)[..., None], vocab)[:, 0]
+
+
+def _noise_for(meta: dict, row: dict, prompt_len: int, device) -> KeyedGumbel | None:
+    temperature = float(_row_setting(meta, row, "temperature", 0.0))
+    if temperature <= 0:
+        return None
+    seed = int(_row_setting(meta, row, "seed", 0))
+    return KeyedGumbel(sampling.row_key(seed, str(row["id"])), prompt_len, temperature,
+                       int(meta.get("top_k") or 0), float(meta.get("top_p") or 1.0), device)
+
+
 @torch.no_grad()
-def _greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
+            noise: KeyedGumbel | None) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain decoding of one prompt: the argmax of the logits, or of the noised scores for a sampled row."""
+    from transformers import LogitsProcessorList
+
     input_ids = torch.tensor([prompt_ids], device=model.device)
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                         return_dict_in_generate=True, output_logits=True)
+                         return_dict_in_generate=True, output_logits=noise is None, output_scores=noise is not None,
+                         logits_processor=LogitsProcessorList([noise] if noise is not None else []))
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     for j, t in enumerate(tokens):
         if t in eos:
             tokens = tokens[: j + 1]
             break
-    return tokens, [step[0] for step in out.logits]
+    return tokens, [step[0] for step in (out.logits if noise is None else out.scores)]
 
 
 def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,

@@ -104,6 +104,26 @@ def test_verify_flags_a_tampered_row(tmp_path, prompts_jsonl, model_dirs):
     assert result.exit_code == 1 and "1 unexplained" in result.output
 
 
+def test_verify_audits_sampled_rows_and_flags_a_tampered_one(tmp_path, prompts_jsonl, model_dirs):
+    target, draft = model_dirs
+    out = tmp_path / "out.parquet"
+    sampled = ("--temperature", "0.9", "--top-p", "0.9", "--seed", "3", "--draft", draft)
+    assert generate(prompts_jsonl, out, target, *sampled, "--mode", "exspec").exit_code == 0
+    verified = invoke("verify", out)
+    assert verified.exit_code == 0 and "8 exact (100.0 %)" in verified.output, verified.output
+    plain = tmp_path / "ar.parquet"  # and the same rows whatever produced them
+    assert generate(prompts_jsonl, plain, target, *sampled, "--mode", "ar").exit_code == 0
+    assert pq.read_table(plain).column("completion").to_pylist() == pq.read_table(out).column("completion").to_pylist()
+    table = pq.read_table(out)
+    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
+    ids[2][0] = (ids[2][0] + 11) % 100
+    idx = table.schema.get_field_index("completion_token_ids")
+    tampered = table.set_column(idx, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
+    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+    result = invoke("verify", out)
+    assert result.exit_code == 1 and "1 unexplained" in result.output, result.output
+
+
 def test_bucket_directory_then_generate(tmp_path, prompts_jsonl, model_dirs):
     target, draft = model_dirs
     buckets = tmp_path / "buckets"
