@@ -600,20 +600,43 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
 
 
 class StopStrings:
-    """Finds the first stop string in a completion; returns the token cut (shortest prefix holding it)."""
+    """Finds the first stop string in a completion; returns the token cut (shortest prefix holding it).
+
+    Called after every round with the row's whole completion, it decodes only the tail a new
+    stop string can lie in: the round's tokens plus enough earlier ones to hold the longest
+    stop string. Every token but a skipped special one decodes to at least one byte, so
+    ``longest stop in UTF-8 bytes + MARGIN_TOKENS`` earlier tokens (special ones not counted)
+    cover any stop string ending in the new text, with room for what a window's first tokens
+    decode to differently (a partial UTF-8 character, a stripped leading space). The work
+    per call is bounded, so a row costs linear time, not quadratic; the cut is what decoding
+    the whole completion every round would give.
+    """
+
+    MARGIN_TOKENS = 8
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
+        self.context_tokens = max(len(s.encode("utf-8")) for s in stops) + self.MARGIN_TOKENS
+        self.skipped = set(tokenizer.all_special_ids)  # decoded with skip_special_tokens: no text
 
     def _hit(self, ids: list[int]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return any(s in text for s in self.stops)
 
+    def _window_start(self, ids: list[int], n_new: int) -> int:
+        """First index of the tail to decode: the new tokens and ``context_tokens`` text tokens before them."""
+        start, need = len(ids) - n_new, self.context_tokens
+        while start > 0 and need > 0:
+            start -= 1
+            need -= ids[start] not in self.skipped
+        return start
+
     def __call__(self, ids: list[int], n_new: int) -> int | None:
-        if not self._hit(ids):
+        start = self._window_start(ids, n_new)
+        if not self._hit(ids[start:]):
             return None
         for cut in range(max(1, len(ids) - n_new + 1), len(ids) + 1):
-            if self._hit(ids[:cut]):
+            if self._hit(ids[start:cut]):
                 return cut
         return len(ids)
 
