@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .events import RowResult, StepStats
+from .io import one_line
 from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
@@ -204,7 +205,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool) -> int:
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total, signal=signal.SIGINT)
     except Exception as exc:  # a bug or the machine: say what is kept, then show the traceback (exit 1)
         events.close()
-        log.write("failed", error=" ".join(str(exc).split()) or type(exc).__name__, rows_saved=job.saved_rows,
+        log.write("failed", error=one_line(exc), rows_saved=job.saved_rows,
                   total_rows=total, exit_code=1)
         err.print(f"[bold red]error:[/] the run failed; {job.saved_rows} of {total} rows are saved and rerunning "
                   f"the same command resumes", highlight=False)
@@ -340,7 +341,7 @@ def bucket(
             try:
                 ids.append(bio.render_prompt(tokenizer, prompt, chat, system))
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything
-                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({' '.join(str(exc).split())}); "
+                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({one_line(exc)}); "
                            f"`generate` would report it as an error row") from None
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
                              id_column=id_column, chat=chat, system=system)

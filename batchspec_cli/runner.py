@@ -350,7 +350,7 @@ class Generation:
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
                 prompt_ids.append([])  # never handed to the engine: the row is already finished
                 failed.append(RowResult(row, self.inp.ids[row], [], "error",
-                                        error=f"cannot render the prompt: {_one_line(exc)}"))
+                                        error=f"cannot render the prompt: {bio.one_line(exc)}"))
         self.bucket_dir = self.work.buckets
         self.manifest = build_buckets(self.bucket_dir, self.inp.table, prompt_ids,
                                       tokenizer_settings(cfg, self.target_name), width=cfg.bucket_width,
@@ -639,10 +639,6 @@ class StopStrings:
             if self._hit(ids[start:cut]):
                 return cut
         return len(ids)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _transformers_version() -> str:

@@ -1,0 +1,35 @@
+"""The repository itself: one copy of each helper, scripts that use the package's constants."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from batchspec_cli import models
+from batchspec_cli.io import one_line
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = sorted([*ROOT.glob("batchspec_cli/*.py"), *ROOT.glob("buckets/*.py"), *ROOT.glob("scripts/*.py"),
+                  *ROOT.glob("benchmarks/*.py")])
+
+
+def test_one_line_is_defined_once_and_used_everywhere():
+    defining = [p.relative_to(ROOT).as_posix() for p in SOURCES
+                if re.search(r"^def _?one_line\(", p.read_text(), re.M)]
+    assert defining == ["batchspec_cli/io.py"]
+    inline = [p.name for p in SOURCES if '" ".join(str(exc).split())' in p.read_text() or
+              "' '.join(str(exc).split())" in p.read_text()]
+    assert inline == ["io.py"]
+    assert one_line(ValueError("a\n  b\tc")) == "a b c" and one_line(KeyError()) == "KeyError"
+    assert len(one_line(ValueError("x" * 1000))) == 300
+
+
+def test_scripts_use_the_package_s_cache_keyword_and_default_gguf():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import train_draft
+
+    assert train_draft.cache_kwarg is models.cache_kwarg
+    for path in ROOT.glob("scripts/*.py"):
+        text = path.read_text()
+        assert models.DEFAULT_GGUF not in text and "def cache_kw" not in text, path.name
