@@ -98,14 +98,9 @@ def generate(
     quiet: QuietOpt = False,
 ) -> None:
     """Generate a completion for every prompt of INPUT and write them to OUTPUT (resumable: rerun after a crash)."""
-    cfg = GenerateConfig(
-        input=input, output=output, stats=stats, target=target, draft=draft, mode=mode, k=draft_tokens,
-        batch_size=batch_size, window=window, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-        prompt_column=prompt_column, id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()),
-        dtype=dtype, device=device, limit=limit, overwrite=overwrite, restart=restart, quiet=quiet,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, bucket_width=bucket_width, threads=threads,
-        temperature_column=temperature_column, seed_column=seed_column, max_new_tokens_column=max_new_tokens_column,
-        checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
+    options = dict(locals())  # the parameters: one per GenerateConfig setting, by its name, and --log-json
+    del options["log_json"]
+    cfg = GenerateConfig.from_options(options)
     out = Console(quiet=quiet, soft_wrap=True)
     try:
         log = JsonLog(log_json)
