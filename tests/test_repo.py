@@ -33,3 +33,20 @@ def test_scripts_use_the_package_s_cache_keyword_and_default_gguf():
     for path in ROOT.glob("scripts/*.py"):
         text = path.read_text()
         assert models.DEFAULT_GGUF not in text and "def cache_kw" not in text, path.name
+
+
+def test_torch_is_a_range_and_pinned_only_in_the_install_commands():
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_req = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    assert {s.operator for s in torch_req.specifier} == {">="}  # no cap: pip never downgrades a newer torch
+    assert torch_req.specifier.contains("2.13.0") and torch_req.specifier.contains("2.20.0")
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")][:2]
+    ci = (ROOT / ".ci" / "run").read_text()
+    for text in [command.replace(" -q", "") for command in [*commands, ci]]:  # the CPU wheel, then the package
+        assert 0 <= text.index("pip install torch==2.13.0") < text.index("pip install -e")
+    assert len(commands) == 2 and "pip install -e ." in commands[0] and "pip install -e '.[test]'" in commands[1]
