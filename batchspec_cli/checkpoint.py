@@ -138,7 +138,7 @@ class WorkDir:
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{self.job_path} is unreadable ({_one_line(exc)})") from None
+            raise CheckpointError(f"{self.job_path} is unreadable ({bio.one_line(exc)})") from None
         if not isinstance(body, dict) or body.get("format") != JOB_FORMAT or body.get("version") != JOB_VERSION \
                 or not isinstance(body.get("fingerprint"), dict):
             raise CheckpointError(f"{self.job_path} is not a batchspec {JOB_VERSION} job file")
@@ -345,8 +345,3 @@ def _process_start(pid: int) -> int | None:
         return int(stat.rsplit(")", 1)[1].split()[19])
     except (OSError, IndexError, ValueError):
         return None
-
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .events import RowResult, StepStats
+from .io import one_line
 from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
@@ -99,14 +100,9 @@ def generate(
     quiet: QuietOpt = False,
 ) -> None:
     """Generate a completion for every prompt of INPUT and write them to OUTPUT (resumable: rerun after a crash)."""
-    cfg = GenerateConfig(
-        input=input, output=output, stats=stats, target=target, draft=draft, mode=mode, k=draft_tokens,
-        batch_size=batch_size, window=window, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-        prompt_column=prompt_column, id_column=id_column, chat=chat, system=system, stop=tuple(stop or ()),
-        dtype=dtype, device=device, limit=limit, overwrite=overwrite, restart=restart, quiet=quiet,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, bucket_width=bucket_width, threads=threads,
-        temperature_column=temperature_column, seed_column=seed_column, max_new_tokens_column=max_new_tokens_column,
-        checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
+    options = dict(locals())  # the parameters: one per GenerateConfig setting, by its name, and --log-json
+    del options["log_json"]
+    cfg = GenerateConfig.from_options(options)
     out = Console(quiet=quiet, soft_wrap=True)
     try:
         log = JsonLog(log_json)
@@ -206,7 +202,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool) -> int:
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total, signal=signal.SIGINT)
     except Exception as exc:  # a bug or the machine: say what is kept, then show the traceback (exit 1)
         events.close()
-        log.write("failed", error=" ".join(str(exc).split()) or type(exc).__name__, rows_saved=job.saved_rows,
+        log.write("failed", error=one_line(exc), rows_saved=job.saved_rows,
                   total_rows=total, exit_code=1)
         err.print(f"[bold red]error:[/] the run failed; {job.saved_rows} of {total} rows are saved and rerunning "
                   f"the same command resumes", highlight=False)
@@ -344,7 +340,7 @@ def bucket(
             try:
                 ids.append(bio.render_prompt(tokenizer, prompt, chat, system))
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything
-                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({' '.join(str(exc).split())}); "
+                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({one_line(exc)}); "
                            f"`generate` would report it as an error row") from None
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
                              id_column=id_column, chat=chat, system=system)

@@ -32,6 +32,12 @@ class InputError(Exception):
     """A problem with the user's input or output paths; the message is one line."""
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line of a user message: whitespace collapsed, at most `limit` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 OUTPUT_COLUMNS: tuple[str, ...] = (
     "id",
     "completion",

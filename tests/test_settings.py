@@ -1,0 +1,124 @@
+"""Job settings are declared once, on GenerateConfig: the CLI, the fingerprint and the metadata follow from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import typer
+from typer.testing import CliRunner
+
+from batchspec_cli.cli import app
+from batchspec_cli.runner import FINGERPRINT_LABELS, GenerateConfig, Generation, settings
+
+
+def generate_command_params() -> dict:
+    command = typer.main.get_command(app).commands["generate"]
+    return {p.name: p for p in command.params}
+
+
+def test_generate_options_and_config_fields_correspond_one_to_one():
+    params = generate_command_params()
+    assert set(params) - {"log_json"} == {s.name for s in settings()}  # --log-json belongs to the CLI alone
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateConfig)}
+    for s in settings():
+        param = params[s.name]
+        if param.param_type_name == "argument":  # input, output
+            assert defaults[s.field] is dataclasses.MISSING, s
+            continue
+        assert s.label.split("/")[0] in param.opts, (s, param.opts)  # what messages call it is the flag
+        default = () if param.default is None and s.name == "stop" else param.default
+        assert default == defaults[s.field], s
+
+
+def test_the_cli_builds_the_config_from_every_option(monkeypatch):
+    seen = {}
+
+    def refuse(cfg):
+        seen["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Generation, "open", staticmethod(refuse))
+    args = ["generate", "in.jsonl", "out.parquet", "-k", "3", "--stop", "x", "--stop", "yz", "--no-chat",
+            "--window", "7", "--top-p", "0.5", "--seed-column", "s", "--checkpoint-rows", "2", "--threads", "1"]
+    result = CliRunner().invoke(app, args)
+    assert "cfg" in seen, result.output
+    cfg = seen["cfg"]
+    assert (cfg.input, cfg.output, cfg.k, cfg.stop, cfg.chat, cfg.window, cfg.top_p, cfg.seed_column,
+            cfg.checkpoint_rows, cfg.threads) == (Path("in.jsonl"), Path("out.parquet"), 3, ("x", "yz"), False, 7,
+                                                  0.5, "s", 2, 1)
+    assert cfg.mode == "exspec" and cfg.max_new_tokens == 256 and cfg.batch_size == 8
+
+
+OLD_LABELS = {
+    "input": "the input's contents", "limit": "--limit", "target": "--target", "draft": "--draft",
+    "mode": "--mode", "draft_tokens": "--draft-tokens", "max_new_tokens": "--max-new-tokens",
+    "max_prompt_tokens": "--max-prompt-tokens", "temperature": "--temperature", "top_k": "--top-k",
+    "top_p": "--top-p", "seed": "--seed", "temperature_column": "--temperature-column",
+    "seed_column": "--seed-column", "max_new_tokens_column": "--max-new-tokens-column", "stop": "--stop",
+    "chat": "--chat/--no-chat", "system": "--system", "prompt_column": "--prompt-column",
+    "id_column": "--id-column", "dtype": "--dtype", "rows": "the number of input rows",
+}
+
+
+def test_fingerprint_labels_are_unchanged_in_order():
+    assert list(FINGERPRINT_LABELS.items()) == list(OLD_LABELS.items())
+
+
+def a_job(draft: bool) -> SimpleNamespace:
+    """What fingerprint() and metadata() read of a Generation, with every setting away from its default."""
+    cfg = GenerateConfig(input=Path("in.jsonl"), output=Path("out.parquet"), target="t", draft="d", mode="eqspec", k=3,
+                         batch_size=4, window=None, max_new_tokens=9, max_prompt_tokens=99, prompt_column="p",
+                         id_column="i", chat=False, system="sys", stop=("a", "b"), dtype="float64", device="cpu",
+                         limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
+                         seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
+    model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
+    return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
+                           target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
+                           draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
+                           eos_ids=[1, 2], resumed_rows=2)
+
+
+def old_fingerprint(job) -> dict:
+    """Generation.fingerprint() as it was written out field by field: old work directories hold this."""
+    cfg = job.cfg
+    sig = lambda m: {"name": m.name, "source": m.source, "files": {}}  # noqa: E731
+    return {
+        "input": job.input_hash, "rows": job.total_rows, "limit": cfg.limit, "target": sig(job.target),
+        "draft": sig(job.draft) if job.draft else None,
+        "mode": job.mode, "draft_tokens": cfg.k, "max_new_tokens": cfg.max_new_tokens,
+        "max_prompt_tokens": cfg.max_prompt_tokens, "temperature": cfg.temperature, "top_k": cfg.top_k,
+        "top_p": cfg.top_p, "seed": cfg.seed, "temperature_column": cfg.temperature_column,
+        "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column,
+        "stop": list(cfg.stop), "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
+        "id_column": cfg.id_column, "dtype": cfg.dtype,
+    }
+
+
+def old_metadata(job) -> dict:
+    cfg = job.cfg
+    return {
+        "batchspec_version": "0.1.0", "torch_version": torch.__version__, "transformers_version": "x",
+        "target": job.target_name, "target_source": job.target.source,
+        "draft": job.draft.name if job.draft else None, "draft_source": job.draft.source if job.draft else None,
+        "mode": job.mode, "draft_tokens": cfg.k, "batch_size": cfg.batch_size,
+        "window": cfg.window or 4 * cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+        "temperature": cfg.temperature, "temperature_column": cfg.temperature_column,
+        "seed_column": cfg.seed_column, "max_new_tokens_column": cfg.max_new_tokens_column, "top_k": cfg.top_k,
+        "top_p": cfg.top_p, "seed": cfg.seed,
+        "chat": cfg.chat, "system": cfg.system, "stop": list(cfg.stop), "prompt_column": cfg.prompt_column,
+        "id_column": cfg.id_column, "dtype": "float64", "device": "cpu", "eos_token_ids": job.eos_ids,
+        "input": str(cfg.input), "resumed_rows": job.resumed_rows,
+    }
+
+
+def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
+    monkeypatch.setattr("batchspec_cli.runner._transformers_version", lambda: "x")
+    monkeypatch.setattr("batchspec_cli.runner.__version__", "0.1.0")
+    for draft in (True, False):
+        job = a_job(draft)
+        assert Generation.fingerprint(job) == old_fingerprint(job)  # an old work directory still resumes
+        assert Generation.metadata(job) == old_metadata(job)
