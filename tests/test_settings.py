@@ -49,7 +49,7 @@ def test_the_cli_builds_the_config_from_every_option(monkeypatch):
     assert (cfg.input, cfg.output, cfg.k, cfg.stop, cfg.chat, cfg.window, cfg.top_p, cfg.seed_column,
             cfg.checkpoint_rows, cfg.threads) == (Path("in.jsonl"), Path("out.parquet"), 3, ("x", "yz"), False, 7,
                                                   0.5, "s", 2, 1)
-    assert cfg.mode == "exspec" and cfg.max_new_tokens == 256 and cfg.batch_size == 8
+    assert cfg.mode == "auto" and cfg.max_new_tokens == 256 and cfg.batch_size == 8
 
 
 OLD_LABELS = {
