@@ -1,0 +1,405 @@
+"""Model-free drafters (batchspec_cli/lookup.py) against brute-force references.
+
+The oracles: `_brute_prompt_lookup` scans every n and every earlier position;
+`_brute_suffix_counts` scans every retained document at every position. The structures
+must agree with them on random token streams over small vocabularies (so that matches,
+ties and ambiguity are common), however the text arrived (whole or in random chunks) and
+after evictions.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+import tracemalloc
+
+import pytest
+
+from batchspec_cli.lookup import (
+    Draft,
+    PromptLookup,
+    SuffixDrafter,
+    SuffixIndex,
+    _brute_prompt_lookup,
+    _brute_suffix_counts,
+    _brute_suffix_draft,
+    draft_batch,
+    propose_batch,
+)
+
+
+def _chunks(rng: random.Random, tokens: list[int]) -> list[list[int]]:
+    out, i = [], 0
+    while i < len(tokens):
+        size = rng.choice([1, 1, 1, 2, 3, 7])
+        out.append(tokens[i : i + size])
+        i += size
+    return out
+
+
+def _simulate(row, continuation: list[int], k: int) -> tuple[int, int, int]:
+    """Speculative rounds against a known continuation: (proposed, accepted, rounds).
+
+    Each round the row proposes up to k tokens; the matching prefix is accepted and one
+    more true token (the correction or bonus) is committed, as the verify step would.
+    """
+    proposed = accepted = rounds = 0
+    i = 0
+    while i < len(continuation):
+        draft = row.propose(k)
+        assert len(draft) <= k
+        n = 0
+        while n < len(draft) and i + n < len(continuation) and draft[n] == continuation[i + n]:
+            n += 1
+        proposed += len(draft)
+        accepted += n
+        rounds += 1
+        row.extend(continuation[i : i + n + 1])
+        i += n + 1
+    return proposed, accepted, rounds
+
+
+def _check_trie(index: SuffixIndex) -> None:
+    """Structural invariants: counts positive, succ = Σ child counts, child count <= parent
+    count, reachable nodes = index.nodes, depth <= max_depth, cached best = true best."""
+    cnt, tok, succ = index._cnt, index._tok, index._succ
+    total = 0
+    stack = [(index.ROOT, 0)]
+    while stack:
+        node, depth = stack.pop()
+        kids = index._children(node)
+        assert depth <= index.max_depth
+        if depth == index.max_depth:
+            assert not kids
+        assert succ[node] == sum(cnt[c] for c in kids)
+        if index._best[node] >= 0:
+            assert index._best[node] in kids
+        if kids:
+            expected = min(kids, key=lambda c: (-cnt[c], tok[c]))
+            assert index._best_child(node) == expected
+        for child in kids:
+            assert cnt[child] > 0
+            if node != index.ROOT:
+                assert cnt[child] <= cnt[node]
+            total += 1
+            stack.append((child, depth + 1))
+    assert total == index.nodes
+    assert len(index._kids) == 1 + index.nodes + len(index._free)
+
+
+# --- PromptLookup -------------------------------------------------------------------------
+
+
+def test_prompt_lookup_matches_brute_force_on_random_streams():
+    rng = random.Random(1)
+    checks = 0
+    for _ in range(400):
+        vocab = rng.randint(2, 20)
+        min_n = rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        completion = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        row = PromptLookup(prompt, min_n=min_n, max_n=max_n)
+        text = list(prompt)
+        for chunk in [[]] + _chunks(rng, completion):
+            row.extend(chunk)
+            text.extend(chunk)
+            k = rng.randint(0, 9)
+            assert row.propose(k) == _brute_prompt_lookup(text, k, min_n, max_n), (text, k, min_n, max_n)
+            checks += 1
+    assert checks > 2000
+
+
+def test_prompt_lookup_prefers_longest_match_then_latest_occurrence():
+    # "5 2 3" occurred once (followed by 8); "2 3" occurred later too (followed by 9).
+    row = PromptLookup([5, 2, 3, 8, 2, 3, 9, 5, 2, 3], min_n=1, max_n=4)
+    assert row.match()[0] == 3
+    assert row.propose(2) == [8, 2]
+    short = PromptLookup([5, 2, 3, 8, 2, 3, 9, 5, 2, 3], min_n=1, max_n=2)
+    assert short.propose(2) == [9, 5]  # latest "2 3"
+    # Never the current suffix itself: a text without repeats has no match.
+    assert PromptLookup([1, 2, 3, 4], min_n=1).propose(3) == []
+    # min_n: a single shared token is not a match with the default min_n=2.
+    assert PromptLookup([7, 1, 7]).propose(3) == []
+    assert PromptLookup([7, 1, 7], min_n=1).propose(3) == [1, 7, 1]
+
+
+def test_prompt_lookup_copy_continues_past_the_end():
+    assert PromptLookup([1, 2, 1, 2, 1], min_n=1).propose(6) == [2, 1, 2, 1, 2, 1]
+    assert _brute_prompt_lookup([1, 2, 1, 2, 1], 6, 1, 4) == [2, 1, 2, 1, 2, 1]
+
+
+def test_prompt_lookup_copied_passage_gets_long_correct_drafts():
+    rng = random.Random(2)
+    passage = [rng.randrange(1000, 2000) for _ in range(300)]
+    prompt = [rng.randrange(1000) for _ in range(50)] + passage + [rng.randrange(1000) for _ in range(50)]
+    row = PromptLookup(prompt)
+    # The completion starts on its own, then copies the passage.
+    lead_in = [rng.randrange(1000) for _ in range(5)]
+    row.extend(lead_in + passage[:2])
+    proposed, accepted, rounds = _simulate(row, passage[2:], k=8)
+    assert accepted / proposed > 0.97
+    assert (len(passage) - 2) / rounds > 7  # tokens per round close to k + 1 = 9
+
+
+def test_prompt_lookup_validates_n():
+    with pytest.raises(ValueError):
+        PromptLookup(min_n=3, max_n=2)
+    with pytest.raises(ValueError):
+        PromptLookup(min_n=0)
+
+
+# --- SuffixIndex --------------------------------------------------------------------------
+
+
+def test_suffix_counts_and_first_token_match_brute_force():
+    rng = random.Random(3)
+    for trial in range(150):
+        vocab = rng.randint(2, 12)
+        depth = rng.randint(2, 7)
+        docs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))] for _ in range(rng.randint(1, 6))]
+        index = SuffixIndex(max_depth=depth, min_prob=0.0)
+        for doc in docs:
+            if rng.random() < 0.5:
+                index.add(doc)
+            else:  # the same document arriving in chunks
+                index.add([])
+                for chunk in _chunks(rng, doc):
+                    index.extend(chunk)
+        _check_trie(index)
+        for _ in range(20):
+            if rng.random() < 0.5 and any(docs):
+                doc = rng.choice([d for d in docs if d])
+                cut = rng.randint(0, len(doc))
+                context = [rng.randrange(vocab) for _ in range(rng.randint(0, 3))] + doc[:cut]
+            else:
+                context = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
+            want_d, want = _brute_suffix_counts(docs, context, depth)
+            assert index.next_counts(context) == (want_d, want), (docs, context, depth)
+            draft = index.draft(context, 4)
+            assert draft.match == want_d
+            if want:
+                top = min(want, key=lambda t: (-want[t], t))
+                assert draft.tokens[0] == top
+                assert draft.probs[0] == pytest.approx(want[top] / sum(want.values()))
+            else:
+                assert draft.tokens == []
+            for min_prob in (0.0, 0.3):
+                k = rng.randint(0, 12)
+                tokens, probs = _brute_suffix_draft(docs, context, k, depth, min_prob)
+                draft = index.draft(context, k, min_prob=min_prob)
+                assert draft.tokens == tokens, (docs, context, depth, k, min_prob)
+                assert draft.probs == pytest.approx(probs)
+
+
+def test_suffix_draft_follows_most_frequent_continuation():
+    index = SuffixIndex(max_depth=4, min_prob=0.0)
+    for doc in [[1, 2, 3, 4, 6], [1, 2, 3, 4, 6], [1, 2, 3, 4, 7], [1, 2, 3, 5, 8]]:
+        index.add(doc)
+    draft = index.draft([9, 1, 2, 3], 3)
+    assert draft.match == 3
+    assert draft.tokens == [4, 6]  # 4 (3 of 4), then 6 (2 of 3); "2 3 4 6" ends every doc
+    assert draft.probs == pytest.approx([0.75, 0.5])
+    # Ties go to the smaller token id, whatever the order of the adds.
+    for docs in ([[1, 2, 7], [1, 2, 3]], [[1, 2, 3], [1, 2, 7]]):
+        assert SuffixIndex.from_documents(docs, max_depth=4).propose([1, 2], 1) == [3]
+
+
+def test_confidence_threshold_shortens_ambiguous_drafts_and_allows_long_ones():
+    rng = random.Random(4)
+    # Ambiguous: every token is followed by each of four tokens about equally often.
+    noisy = SuffixIndex(max_depth=6, min_prob=0.2)
+    for _ in range(40):
+        noisy.add([rng.randrange(4) for _ in range(40)])
+    lengths = [len(noisy.propose([rng.randrange(4) for _ in range(3)], 8)) for _ in range(50)]
+    assert max(lengths) <= 2
+    assert len(SuffixIndex.from_documents(noisy.documents(), max_depth=6, min_prob=0.0).propose([0, 1, 2], 8)) == 8
+    # Repeated: the same passage many times gives long drafts at the same threshold.
+    passage = [rng.randrange(100) for _ in range(60)]
+    repeated = SuffixIndex.from_documents([passage] * 5, max_depth=6, min_prob=0.2)
+    assert repeated.propose(passage[:10], 8) == passage[10:18]
+
+
+def test_repeated_document_gives_its_own_continuation_in_full():
+    rng = random.Random(5)
+    doc = [rng.randrange(50) for _ in range(120)]
+    index = SuffixIndex(max_depth=8)
+    for i in range(30):
+        index.add([rng.randrange(50) for _ in range(80)])
+        if i in (10, 20):
+            index.add(doc)
+    # Far longer than max_depth: the walk backs off to the last max_depth - 1 tokens.
+    draft = index.draft(doc[:15], len(doc) - 15)
+    assert draft.tokens == doc[15:]
+    assert draft.probs[-1] > 0.5
+
+
+def test_suffix_index_is_deterministic():
+    rng = random.Random(6)
+    docs = [[rng.randrange(6) for _ in range(rng.randint(1, 40))] for _ in range(50)]
+    a = SuffixIndex.from_documents(docs, max_depth=5, max_nodes=300)
+    b = SuffixIndex.from_documents(docs, max_depth=5, max_nodes=300)
+    for _ in range(100):
+        context = [rng.randrange(6) for _ in range(rng.randint(0, 8))]
+        assert a.draft(context, 6) == b.draft(context, 6)
+
+
+def test_eviction_keeps_counts_exact_over_retained_documents():
+    rng = random.Random(7)
+    depth, max_nodes, max_tokens = 5, 400, 600
+    index = SuffixIndex(max_depth=depth, max_nodes=max_nodes, max_tokens=max_tokens, min_prob=0.0)
+    added = []
+    for step in range(300):
+        doc = [rng.randrange(8) for _ in range(rng.randint(0, 60))]
+        index.add(doc)
+        added.append(doc)
+        kept = index.documents()
+        assert kept == added[len(added) - len(kept) :]  # the oldest go first
+        assert index.nodes <= max(max_nodes, depth * len(doc))
+        assert index.tokens <= max(max_tokens, len(doc))
+        if step % 10 == 0:
+            _check_trie(index)
+            for _ in range(10):
+                context = [rng.randrange(8) for _ in range(rng.randint(0, 7))]
+                assert index.next_counts(context) == _brute_suffix_counts(kept, context, depth)
+    assert index.evicted > 200
+
+
+def test_memory_stays_bounded_on_a_long_job_and_recent_documents_are_found():
+    rng = random.Random(8)
+    weights = [1 / (r + 1) for r in range(5000)]  # Zipf-like ids, as in real text
+    vocab = list(range(5000))
+    index = SuffixIndex(max_depth=8, max_nodes=60_000, max_tokens=40_000)
+    pool = rng.choices(vocab, weights, k=400_000)
+    start = time.perf_counter()
+    recent = []
+    pos = 0
+    for i in range(20_000):
+        size = rng.randint(5, 35)
+        doc = pool[pos : pos + size]
+        pos = (pos + size) % (len(pool) - 40)
+        index.add(doc)
+        assert index.nodes <= 60_000 and index.tokens <= 40_000
+        if i >= 20_000 - 50:
+            recent.append(doc)
+    elapsed = time.perf_counter() - start
+    assert index.evicted > 15_000
+    assert index.memory_estimate() <= index.memory_bound()
+    _check_trie(index)
+    hits = 0
+    for doc in recent:
+        if len(doc) >= 12:
+            hits += index.propose(doc[:8], len(doc) - 8) == doc[8:]
+    assert hits >= 0.8 * sum(len(d) >= 12 for d in recent)
+    assert elapsed < 20
+
+
+def test_memory_estimate_bounds_the_measured_memory():
+    rng = random.Random(9)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        index = SuffixIndex(max_depth=16, max_nodes=10**9, max_tokens=10**9)
+        for i in range(120):
+            vocab = 5 if i % 3 == 0 else 49152  # branchy and chain-like tries both
+            doc = [int(str(rng.randrange(vocab))) for _ in range(200)]  # fresh int objects
+            index.add(doc)
+        del doc
+        gc.collect()
+        measured, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert index.nodes > 100_000
+    assert measured <= index.memory_estimate()
+
+
+def test_extend_in_chunks_equals_one_add():
+    rng = random.Random(10)
+    for _ in range(30):
+        docs = [[rng.randrange(5) for _ in range(rng.randint(0, 50))] for _ in range(4)]
+        whole = SuffixIndex.from_documents(docs, max_depth=6)
+        chunked = SuffixIndex(max_depth=6)
+        for doc in docs:
+            chunked.add([])
+            for chunk in _chunks(rng, doc):
+                chunked.extend(chunk)
+        assert chunked.nodes == whole.nodes and chunked.documents() == whole.documents()
+        for _ in range(20):
+            context = [rng.randrange(5) for _ in range(rng.randint(1, 8))]
+            assert chunked.draft(context, 5) == whole.draft(context, 5)
+
+
+# --- SuffixDrafter ------------------------------------------------------------------------
+
+
+def test_suffix_drafter_copies_an_earlier_rows_completion():
+    rng = random.Random(11)
+    drafter = SuffixDrafter()
+    answer = [rng.randrange(3000) for _ in range(150)]
+    first = drafter.open([rng.randrange(3000) for _ in range(40)])
+    first.extend(answer)
+    first.finish()
+    for _ in range(20):  # other rows in between
+        other = drafter.open([rng.randrange(3000) for _ in range(40)])
+        other.extend([rng.randrange(3000) for _ in range(60)])
+        other.finish()
+    second = drafter.open([rng.randrange(3000) for _ in range(40)])
+    second.extend(answer[:3])
+    proposed, accepted, rounds = _simulate(second, answer[3:], k=6)
+    assert accepted / proposed > 0.95
+    assert (len(answer) - 3) / rounds > 6
+
+
+def test_suffix_drafter_uses_the_rows_own_text():
+    rng = random.Random(12)
+    drafter = SuffixDrafter()
+    passage = [rng.randrange(3000) for _ in range(200)]
+    row = drafter.open([rng.randrange(3000) for _ in range(30)] + passage + [rng.randrange(3000) for _ in range(30)])
+    row.extend([rng.randrange(3000) for _ in range(4)] + passage[:3])
+    proposed, accepted, rounds = _simulate(row, passage[3:], k=6)
+    assert accepted / proposed > 0.95
+    assert (len(passage) - 3) / rounds > 6
+    # Text the row generated itself (a repeated list item) is found by the local index only.
+    fresh = drafter.open([rng.randrange(3000) for _ in range(30)])
+    item = [rng.randrange(3000, 4000) for _ in range(12)]
+    fresh.extend(item + [7] + item[:4])
+    assert drafter.index.propose(fresh.text, 6) == []
+    assert fresh.propose(6) == item[4:10]
+
+
+def test_suffix_drafter_resume_rebuilds_the_same_index():
+    rng = random.Random(13)
+    live = SuffixDrafter(local_depth=6)
+    pairs = []
+    for i in range(30):
+        prompt = [rng.randrange(20) for _ in range(rng.randint(1, 30))]
+        row = live.open(prompt)
+        completion = [rng.randrange(20) for _ in range(rng.randint(0, 30))]
+        for chunk in _chunks(rng, completion):
+            row.extend(chunk)
+        done = i % 4 != 3  # some rows did not finish before the interruption
+        if done:
+            row.finish()
+        pairs.append((prompt, completion if done else None))
+    resumed = SuffixDrafter.resume(pairs, local_depth=6)
+    assert resumed.index.documents() == live.index.documents()
+    assert resumed.index.nodes == live.index.nodes
+    for _ in range(30):
+        context = [rng.randrange(20) for _ in range(rng.randint(1, 20))]
+        assert resumed.index.draft(context, 5) == live.index.draft(context, 5)
+
+
+def test_batch_helpers_respect_per_row_budgets():
+    drafter = SuffixDrafter()
+    rows = [
+        PromptLookup([1, 2, 3, 1, 2]),
+        drafter.open([4, 5, 6, 4, 5]),
+        PromptLookup([9]),
+    ]
+    assert propose_batch(rows, 2) == [[3, 1], [6, 4], []]
+    drafts = draft_batch(rows, [1, 0, 5])
+    assert [d.tokens for d in drafts] == [[3], [], []]
+    assert all(isinstance(d, Draft) for d in drafts)
+    with pytest.raises(ValueError):
+        propose_batch(rows, [1, 2])
