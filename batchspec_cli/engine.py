@@ -509,16 +509,19 @@ class Engine:
         """Each row's best model-free draft (drafter name, tokens), by expected accepted tokens."""
         if not self.lookups or not self.max_k:
             return None
-        rows = [self.state.rows[s].row for s in slots]
+        st = self.state
+        rows = [st.rows[s].row for s in slots]
+        room = [min(self.max_k, self._limit(st.rows[s]) - len(st.ids[s]) - 1) for s in slots]  # no draft past the end
         acceptance = self.policy.acceptance
         best = [("", [])] * len(slots)
         score = [0.0] * len(slots)
         for drafter in self.lookups:
             for i, tokens in enumerate(drafter.propose(rows, self.max_k)):
+                tokens = tokens[: max(0, room[i])]
                 alpha = acceptance.row((drafter.name, rows[i]))
                 value = sum(alpha ** (j + 1) for j in range(len(tokens)))
                 if tokens and value > score[i]:
-                    best[i], score[i] = (drafter.name, tokens[: self.max_k]), value
+                    best[i], score[i] = (drafter.name, tokens), value
         return best
 
     def _choose(self, slots: list[int], proposals) -> tuple[Choice, str]:

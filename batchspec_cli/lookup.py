@@ -549,6 +549,9 @@ def _brute_suffix_draft(
 # ---------------------------------------------------------------------------------------
 
 
+MIN_MATCH = 2  # SuffixRow prefers drafts from suffix matches at least this long
+
+
 class SuffixDrafter:
     """The job-wide ``suffix`` drafter (SuffixDecoding-style); one per job.
 
@@ -626,10 +629,19 @@ class SuffixRow:
         self.local.extend(tokens)
 
     def draft(self, k: int) -> Draft:
-        """The better of the local and the global draft (ties: local). O(depth² + k·depth)."""
+        """The better of the local and the global draft by score, then by match length (ties: local).
+
+        A draft from a match shorter than ``MIN_MATCH`` tokens (one token seen once says
+        little) loses to one from a longer match whatever its score.
+
+        O(depth² + k·depth)."""
         local = self.local.draft(self.text, k)
         shared = self.drafter.index.draft(self.text, k)
-        return shared if shared.score > local.score else local
+        if shared.match < MIN_MATCH <= local.match:
+            return local
+        if local.match < MIN_MATCH <= shared.match:
+            return shared
+        return shared if (shared.score, shared.match) > (local.score, local.match) else local
 
     def propose(self, k: int) -> list[int]:
         return self.draft(k).tokens

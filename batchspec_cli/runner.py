@@ -31,6 +31,7 @@ from buckets import BucketError, build_buckets, is_bucket_dir, iter_bucket_rows,
 from buckets import settings_hash
 
 from . import __version__
+from . import drafters
 from . import io as bio
 from . import models
 from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
@@ -228,6 +229,8 @@ class Generation:
     def __init__(self, cfg: GenerateConfig):
         self.cfg = cfg
         self.notes: list[str] = []
+        self.lookup_names: list[str] = []  # model-free drafters (see _drafters)
+        self.lookups: list = []
         self.results: dict[int, RowResult] = {}
         self.stats: list[StepStats] = []
         self.work = WorkDir(work_dir_for(cfg.output))
@@ -325,16 +328,14 @@ class Generation:
             self.input_hash = hash_files([cfg.input])
 
         # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
-        draft_spec = cfg.draft
-        if draft_spec is None and cfg.target is None and cfg.mode != "ar":
-            shipped = models.default_draft_path()
-            if shipped is not None:
-                draft_spec = str(shipped)
+        draft_spec, self.lookup_names = self._drafters()
         self.mode = cfg.mode
-        if draft_spec is None and self.mode != "ar":
-            self.notes.append(f"no draft model available: running plain autoregressive decoding (--mode ar) "
+        if draft_spec is None and not self.lookup_names and self.mode != "ar":
+            self.notes.append(f"no drafter available: running plain autoregressive decoding (--mode ar) "
                               f"instead of {self.mode}")
             self.mode = "ar"
+        if self.mode == "ar":
+            draft_spec, self.lookup_names = None, []
         target_tok, self.target_name = models.load_tokenizer(cfg.target, quiet=True)
         if draft_spec is not None and self.mode != "ar":
             draft_tok, draft_name = models.load_tokenizer(draft_spec, quiet=True)
@@ -367,6 +368,30 @@ class Generation:
                 self.results[result.row] = result
             self.work.save_part(self._announce, [])  # saved before the job exists: resumable means complete
             self.work.start_job(fingerprint, self.total_rows)
+
+    def _drafters(self) -> tuple[str | None, list[str]]:
+        """(draft model spec or None, model-free drafter names) from --draft, or the defaults.
+
+        ``--draft`` takes a model, ``ngram``, ``suffix``, or a comma list of them (one model
+        at most). Without it: the shipped draft for the embedded default target, plus
+        ``suffix`` under ``auto``; ``suffix`` for any other target, so every target gets
+        speculation.
+        """
+        cfg = self.cfg
+        if cfg.draft is not None:
+            parts = [part.strip() for part in cfg.draft.split(",")]
+            if not all(parts):
+                raise UsageError(f"--draft {cfg.draft!r}: an empty name in the list")
+            specs = [part for part in parts if part not in drafters.NAMES]
+            if len(specs) > 1:
+                raise UsageError(f"--draft {cfg.draft!r}: at most one draft model (besides ngram and suffix)")
+            return (specs[0] if specs else None), [name for name in drafters.NAMES if name in parts]
+        if cfg.mode == "ar":
+            return None, []
+        shipped = models.default_draft_path() if cfg.target is None else None
+        if shipped is not None:
+            return str(shipped), (["suffix"] if cfg.mode == "auto" else [])
+        return None, ["suffix"]
 
     def fingerprint(self) -> dict:
         """Everything that decides the rows' completions; a resumed run must match it exactly."""
@@ -468,7 +493,12 @@ class Generation:
             rows = batch.column("__row").to_pylist()
             ids = batch.column("__prompt_ids").to_pylist()
             for row, prompt in zip(rows, ids):
-                if (self.limit_rows is not None and row not in self.limit_rows) or row in skip:
+                if self.limit_rows is not None and row not in self.limit_rows:
+                    continue
+                if row in skip:  # saved by an interrupted run: what it taught the drafters is taught again
+                    done = self.results[row]
+                    for drafter in self.lookups:
+                        drafter.preload(prompt, done.token_ids if done.finish_reason != "error" else None)
                     continue
                 self._row_bucket[row] = bucket.index
                 self._bucket_left[bucket.index] = self._bucket_left.get(bucket.index, 0) + 1
@@ -497,7 +527,8 @@ class Generation:
         target = ModelHandle(self.target.model, models.cache_kwarg(self.target.model))
         draft = ModelHandle(self.draft.model, models.cache_kwarg(self.draft.model)) if self.draft else None
         checker = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
-        return Engine(target, draft, self.eos_ids, econf, stop_checker=checker)
+        self.lookups = drafters.make(self.lookup_names)
+        return Engine(target, draft, self.eos_ids, econf, stop_checker=checker, lookups=self.lookups)
 
     def stop(self, signal: int | None = None) -> None:
         """Ask the run to end after the current step (safe to call from a signal handler)."""
@@ -579,6 +610,7 @@ class Generation:
                               mode=self.mode, window=cfg.window or 4 * cfg.batch_size,
                               dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
             "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
+            "drafters": (["model"] if self.draft else []) + self.lookup_names,
             "eos_token_ids": self.eos_ids, "resumed_rows": self.resumed_rows,
         }
 
