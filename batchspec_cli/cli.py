@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from .events import RowResult, StepStats
@@ -48,7 +49,7 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # [..] is text, not markup
     return typer.Exit(code=code)
 
 
