@@ -29,7 +29,9 @@ import importlib.util
 import math
 import os
 import pickle
+import queue
 import socket
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -39,6 +41,8 @@ from typing import Iterable, Iterator
 from .events import Request, RowResult, StepStats
 from .runner import GenerateConfig, Generation, build_engine
 
+POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
+_END = object()
 INSTALL_HINT = "--ray needs Ray: pip install 'batchspec[ray]'"
 
 
@@ -169,12 +173,15 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ cluster
     def connect(self) -> None:
+        # Before Ray is imported: (1) the library is silent, and Ray's C++ core logs a warning to
+        # stderr for every Ray Data actor pool (about restarts): keep only fatal ones (the line saying
+        # so is hidden below); (2) no implicit ray.init: after a stop, Ray Data's result thread may still
+        # call Ray while the driver shuts it down, and must fail there, not start a new local Ray.
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+        os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
         import ray
 
         start = time.perf_counter()
-        # The library is silent: Ray's C++ core logs warnings to stderr (one for every Ray Data actor
-        # pool, about restarts); keep only fatal ones, and hide the line saying so.
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
         if not ray.is_initialized():
             address = self.rcfg.address or os.environ.get("RAY_ADDRESS") or "local"
             kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
@@ -227,25 +234,59 @@ class RayExecutor:
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
         step = 0
-        rows_iter = ds.iter_rows()
+        for out in self._arrivals(ds):
+            block = int(out["block"])
+            if block in seen:  # a retried block delivered twice: every row is already recorded
+                continue
+            seen.add(block)
+            events = pickle.loads(out["events"])
+            rows = [e for e in events if isinstance(e, RowResult)]
+            yield BlockDone(block=block, bucket=blocks[block][0].bucket, rows=len(rows),
+                            errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
+                            seconds=float(out["seconds"]))
+            base = step
+            for event in events:
+                if isinstance(event, StepStats):  # one step sequence for the job, in arrival order
+                    event.step += base
+                    step = max(step, event.step)
+                yield event
+
+    def _arrivals(self, ds) -> Iterator[dict]:
+        """The dataset's output rows as they arrive; ends early once the job is asked to stop.
+
+        A thread waits on Ray Data, so a stop (SIGINT / SIGTERM) is seen within POLL_S even while a
+        long block runs, as a single process sees it after the current step; blocks in flight are lost
+        (not saved) and run again on resume.
+        """
+        arrived: queue.Queue = queue.Queue()
+        closed = threading.Event()
+
+        def pump() -> None:
+            try:
+                for out in ds.iter_rows():
+                    arrived.put(out)
+                    if closed.is_set():
+                        break
+                arrived.put(_END)
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver's thread, raised there
+                arrived.put(exc)
+
+        thread = threading.Thread(target=pump, name="batchspec-ray-results", daemon=True)
+        thread.start()
         try:
-            for out in rows_iter:
-                block = int(out["block"])
-                if block in seen:  # a retried block delivered twice: every row is already recorded
+            while True:
+                try:
+                    item = arrived.get(timeout=POLL_S)
+                except queue.Empty:
+                    if self.job.stop_requested:
+                        return
                     continue
-                seen.add(block)
-                events = pickle.loads(out["events"])
-                rows = [e for e in events if isinstance(e, RowResult)]
-                yield BlockDone(block=block, bucket=blocks[block][0].bucket, rows=len(rows),
-                                errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
-                                seconds=float(out["seconds"]))
-                base = step
-                for event in events:
-                    if isinstance(event, StepStats):  # one step sequence for the job, in arrival order
-                        event.step += base
-                        step = max(step, event.step)
-                    yield event
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    if closed.is_set():
+                        return
+                    raise item
+                yield item
         finally:
-            close = getattr(rows_iter, "close", None)
-            if close is not None:
-                close()
+            closed.set()

@@ -442,6 +442,10 @@ class Generation:
         self._stop_signal = signal
         self._stop_requested = True
 
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
     def events(self, run: Executor | None = None) -> Iterator[Started | RowResult | StepStats | BucketDone | Interrupted]:
         """The job's events. ``run`` turns the requests into engine events (default: this process's
         engine; ``distributed.RayExecutor.run`` spreads them over workers). Events of other types
