@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
 
@@ -96,7 +97,7 @@ def generate(
     checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
     threads: ThreadsOpt = None,
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
-                                      "pip install 'batchspec[ray]'). Connects to --ray-address, else to "
+                                      "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
                                       "RAY_ADDRESS, else starts a local Ray on this machine.")] = False,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to use (implies --ray): "
                                                        "host:port, 'auto' (the cluster this machine joined) or "
@@ -212,8 +213,6 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
 
     ``executor``: a ``distributed.RayExecutor`` (or None: this process's engine); its ``BlockDone``
     events name the worker, which the log's block and row events then carry."""
-    from .distributed import BlockDone as WorkerBlockDone
-
     started, tokens, total = time.perf_counter(), 0, job.total_rows
     accepted = spec_rows = 0  # drafts accepted / row-rounds of speculative steps, for the acceptance length
     worker = None

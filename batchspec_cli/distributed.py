@@ -110,8 +110,8 @@ class Worker:
         self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=True)
         self.draft = (models.load_draft(spec.draft_spec, self.target, cfg.dtype, cfg.device, quiet=True)
                       if spec.draft_spec is not None else None)
-        self.eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
-        self.spec = spec
+        eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
+        self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids)  # run() resets its state
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
@@ -119,9 +119,8 @@ class Worker:
         out = {"block": [], "worker": [], "seconds": [], "events": []}
         for block, blob in zip(batch["block"], batch["requests"]):
             requests: list[Request] = pickle.loads(blob)
-            engine = build_engine(self.spec.cfg, self.spec.mode, self.target, self.draft, self.eos_ids)
             start = time.perf_counter()
-            events = list(engine.run(requests))
+            events = list(self.engine.run(requests))
             out["block"].append(int(block))
             out["worker"].append(self.name)
             out["seconds"].append(time.perf_counter() - start)

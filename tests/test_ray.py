@@ -52,6 +52,14 @@ def test_ray_missing_exits_2_with_an_install_hint(tmp_path, monkeypatch):
     assert not (tmp_path / "out.parquet").exists() and not work_dir_for(tmp_path / "out.parquet").exists()
 
 
+@pytest.mark.parametrize("flag", ["--ray-workers", "--ray-block-rows"])
+def test_bad_ray_flags_exit_2(tmp_path, flag):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    result = cli.invoke(app, ["generate", str(inp), str(tmp_path / "out.parquet"), "--ray", flag, "0"])
+    assert result.exit_code == 2 and f"{flag} must be a positive integer" in result.output
+
+
 def test_blocks_hold_one_bucket_each_and_cover_every_row_once():
     reqs = [Request(row=i, id=str(i), prompt_ids=[1] * (1 + i % 4), max_new_tokens=8, bucket=i % 4, pad_to=4)
             for i in range(23)]
