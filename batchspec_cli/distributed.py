@@ -155,7 +155,7 @@ def _quiet_ray_data() -> None:
 class RayExecutor:
     """``Generation.events(run=RayExecutor(job, rcfg).run)``: the job's requests through a Ray actor pool.
 
-    Connects to (or starts) Ray on the first ``run``; ``close`` disconnects when it connected.
+    ``connect`` (or the first ``run``) joins or starts Ray; ``close`` shuts Ray down when it started or joined it.
     """
 
     def __init__(self, job: Generation, rcfg: RayConfig):
