@@ -19,8 +19,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .io import one_line
 from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
@@ -49,7 +51,7 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)  # [..] is text, not markup
     return typer.Exit(code=code)
 
 
@@ -97,6 +99,18 @@ def generate(
     checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = 32,
     checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
     threads: ThreadsOpt = None,
+    ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
+                                      "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
+                                      "RAY_ADDRESS, else starts a local Ray on this machine.")] = False,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to use (implies --ray): "
+                                                       "host:port, 'auto' (the cluster this machine joined) or "
+                                                       "'local' (a new local instance even if RAY_ADDRESS is set).")]
+    = None,
+    ray_workers: Annotated[Optional[int], typer.Option("--ray-workers", help="Ray workers, each loading the models "
+                                                       "once; each takes one GPU where the cluster has GPUs, else "
+                                                       "--threads CPUs (default: one per GPU, else CPUs / threads).")]
+    = None,
+    ray_block_rows: Annotated[Optional[int], typer.Option("--ray-block-rows", hidden=True)] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Generate a completion for every prompt of INPUT and write them to OUTPUT (resumable: rerun after a crash)."""
@@ -104,6 +118,15 @@ def generate(
     del options["log_json"]
     cfg = GenerateConfig.from_options(options)
     out = Console(quiet=quiet, soft_wrap=True)
+    use_ray = ray or ray_address is not None
+    if use_ray:  # before anything is read or loaded
+        from .distributed import INSTALL_HINT, ray_available
+
+        if not ray_available():
+            raise fail(INSTALL_HINT)
+        for flag, value in (("--ray-workers", ray_workers), ("--ray-block-rows", ray_block_rows)):
+            if value is not None and value < 1:
+                raise fail(f"{flag} must be a positive integer, got {value}")
     try:
         log = JsonLog(log_json)
     except OSError as exc:
@@ -114,8 +137,9 @@ def generate(
         except UsageError as exc:
             log.write("error", message=str(exc), exit_code=EXIT_USAGE)
             raise fail(str(exc)) from None
-        with job:
-            code = _run(job, out, log, quiet)
+        with job, contextlib.ExitStack() as stack:
+            executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
+            code = _run(job, out, log, quiet, executor)
     if code:
         raise typer.Exit(code=code)
 
@@ -162,14 +186,40 @@ def _stop_on_signals(job: Generation):
             signal.signal(sig, old)
 
 
-def _run(job: Generation, out: Console, log: JsonLog, quiet: bool) -> int:
-    """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code."""
+def _start_ray(job: Generation, out: Console, log: JsonLog, address, workers, block_rows, stack):
+    """Connect to (or start) Ray for this job; a cluster that cannot be reached is a one-line error (exit 2)."""
+    from .distributed import RayConfig, RayExecutor
+
+    executor = RayExecutor(job, RayConfig(address=address, workers=workers, block_rows=block_rows))
+    stack.callback(executor.close)
+    try:
+        executor.connect()
+    except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        message = f"cannot start or reach Ray ({one_line(exc)})"
+        log.write("error", message=message, exit_code=EXIT_USAGE)
+        raise fail(message) from None
+    out.print(f"ray: {executor.workers} workers x {executor.threads} threads"
+              f"{' + 1 GPU' if executor.gpus_per_worker else ''} on {executor.address} "
+              f"(ready in {executor.startup_s:.1f} s)", highlight=False)
+    log.write("ray", address=executor.address, workers=executor.workers, threads=executor.threads,
+              gpus_per_worker=executor.gpus_per_worker, startup_s=round(executor.startup_s, 3))
+    return executor
+
+
+def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None) -> int:
+    """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code.
+
+    ``executor``: a ``distributed.RayExecutor`` (or None: this process's engine); its ``BlockDone``
+    events name the worker, which the log's block and row events then carry."""
     started, tokens, total = time.perf_counter(), 0, job.total_rows
+    accepted = spec_rows = 0  # drafts accepted / row-rounds of speculative steps, for the acceptance length
+    worker = None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"), TimeElapsedColumn(),
+                        TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"),
+                        TextColumn("acc {task.fields[acc]}"), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), console=out, disable=quiet, transient=False)
     stopped: Interrupted | None = None
-    events = job.events()
+    events = job.events(run=executor.run if executor is not None else None)
     try:
         with progress, _stop_on_signals(job):
             task = None
@@ -185,14 +235,22 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool) -> int:
                         log.write("resumed", rows_saved=event.resumed_rows,
                                   rows_left=event.total_rows - event.resumed_rows)
                     task = progress.add_task(event.mode, total=event.total_rows, completed=event.resumed_rows,
-                                             tps=0.0)
+                                             tps=0.0, acc="-")
                 elif isinstance(event, RowResult):
                     progress.advance(task)
                     if event.finish_reason == "error":
-                        log.write("row_error", row=event.row, id=event.id, error=event.error)
+                        log.write("row_error", row=event.row, id=event.id, error=event.error,
+                                  **({"worker": worker} if worker else {}))
                 elif isinstance(event, StepStats):
                     tokens += event.tokens_emitted
-                    progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started))
+                    if event.k > 0:
+                        accepted, spec_rows = accepted + sum(event.accepted), spec_rows + event.batch_size
+                    progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started),
+                                    acc=f"{1 + accepted / spec_rows:.2f}" if spec_rows else "-")
+                elif isinstance(event, WorkerBlockDone):
+                    worker = event.worker
+                    log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows,
+                              errors=event.errors, worker=event.worker, seconds=round(event.seconds, 3))
                 elif isinstance(event, BucketDone):
                     log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
                 elif isinstance(event, Interrupted):

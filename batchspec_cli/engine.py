@@ -146,7 +146,6 @@ class Engine:
             if handle is not None:
                 use_folded_sdpa(handle.model)
         self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
-        self._policy = policy
         self.pooled = cfg.mode in ("exspec", "auto")
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
@@ -155,13 +154,12 @@ class Engine:
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = cfg.window if self.pooled else cfg.batch_size
         self.step_no = 0
-
-    def _new_policy(self) -> FixedK:
-        if self._policy is not None:
-            return self._policy
-        if self.cfg.mode == "auto" and self.max_k:
-            return AutoK(self.max_k)
-        return FixedK(self.max_k)
+        # The policy and its measurements outlive a run (a distributed worker runs one per block).
+        if policy is not None:
+            self.policy, self.calibrated = policy, True
+        else:
+            self.policy = AutoK(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
+            self.calibrated = not (cfg.calibrate and isinstance(self.policy, AutoK))
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
@@ -188,8 +186,6 @@ class Engine:
         self.dcache = SlotCache(n, cap) if self.draft is not None and self.max_k > 0 else None
         self.state = SlotState.empty(n, dev)
         self.live: list[int] = []
-        self.policy = self._new_policy()
-        self.calibrated = not (self.cfg.calibrate and isinstance(self.policy, AutoK) and self._policy is None)
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False

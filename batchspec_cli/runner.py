@@ -23,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -39,6 +39,8 @@ from .engine import Engine, EngineConfig, ModelHandle
 from .events import Request, RowResult, Sampling, StepStats
 
 MODES = ("auto", "ar", "eqspec", "exspec")
+Executor = Callable[[Iterable[Request]], Iterator[object]]
+"""Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
@@ -97,6 +99,11 @@ class GenerateConfig:
     stats: Path | None = None
     bucket_width: int | None = None
     threads: int | None = None
+    # Scale-out (see distributed.py): how the job is spread, never what it computes.
+    ray: bool = False
+    ray_address: str | None = None  # implies ray
+    ray_workers: int | None = None
+    ray_block_rows: int | None = None
     overwrite: bool = False
     restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
@@ -347,6 +354,7 @@ class Generation:
             self.draft = models.load_draft(draft_spec, self.target, cfg.dtype, cfg.device, quiet=cfg.quiet)
             if self.draft.model.device != self.target.model.device:
                 raise UsageError("draft and target ended up on different devices")
+        self.draft_spec = draft_spec if self.draft is not None else None  # what a distributed worker loads
         self.tokenizer = self.target.tokenizer
         self.eos_ids = models.eos_ids(self.target.model, self.tokenizer)
 
@@ -520,31 +528,33 @@ class Generation:
             self._sealed.add(bucket)
 
     def engine(self) -> Engine:
-        cfg = self.cfg
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
-        econf = EngineConfig(mode=self.mode, k=cfg.k, batch_size=cfg.batch_size,
-                             window=cfg.window or 4 * cfg.batch_size, pad_id=pad_id)
-        target = ModelHandle(self.target.model, models.cache_kwarg(self.target.model))
-        draft = ModelHandle(self.draft.model, models.cache_kwarg(self.draft.model)) if self.draft else None
-        checker = StopStrings(self.tokenizer, cfg.stop) if cfg.stop else None
-        self.lookups = drafters.make(self.lookup_names)
-        return Engine(target, draft, self.eos_ids, econf, stop_checker=checker, lookups=self.lookups)
+        engine = build_engine(self.cfg, self.mode, self.target, self.draft, self.eos_ids, self.lookup_names)
+        self.lookups = engine.lookups
+        return engine
 
     def stop(self, signal: int | None = None) -> None:
         """Ask the run to end after the current step (safe to call from a signal handler)."""
         self._stop_signal = signal
         self._stop_requested = True
 
-    def events(self) -> Iterator[Started | RowResult | StepStats | BucketDone | Interrupted]:
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def events(self, run: Executor | None = None) -> Iterator[Started | RowResult | StepStats | BucketDone | Interrupted]:
+        """The job's events. ``run`` turns the requests into engine events (default: this process's
+        engine; ``distributed.RayExecutor.run`` spreads them over workers). Events of other types
+        that it yields (a worker's progress) are passed through unrecorded."""
         yield Started(total_rows=self.total_rows, mode=self.mode, notes=list(self.notes),
                       resumed_rows=self.resumed_rows, work_dir=str(self.work.path))
         yield from self._announce  # prompt errors: already recorded and saved
-        stream = self.engine().run(self.requests())
+        stream = (run or self.engine().run)(self.requests())
         try:
             for event in stream:
                 if isinstance(event, StepStats):
                     event = dataclasses.replace(event, step=event.step + self._step_offset)
-                self._record(event)
+                if isinstance(event, (RowResult, StepStats)):
+                    self._record(event)
                 yield event
                 yield from self._drain()
                 self._save_if_due()
@@ -643,6 +653,21 @@ class Generation:
             "stats": str(self.stats_path),
             "first_errors": [(r.row, r.id, r.error) for r in errors[:3]],
         }
+
+
+def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: models.LoadedModel | None,
+                 eos_ids: list[int], lookup_names: list[str]) -> Engine:
+    """The engine of one job for a set of loaded models: the one place an ``Engine`` is built
+    (a single-process run and every distributed worker go through it)."""
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window or 4 * cfg.batch_size,
+                         pad_id=pad_id)
+    target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
+    draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
+    checker = StopStrings(tokenizer, cfg.stop) if cfg.stop else None
+    return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
+                  lookups=drafters.make(lookup_names))
 
 
 def _pick(values: list | None, row: int, default):

@@ -138,13 +138,27 @@ def test_bucket_directory_then_generate(tmp_path, prompts_jsonl, model_dirs):
     assert [list(x) for x in table.column("completion_token_ids").to_pylist()] == references(target, 12)
 
 
-def test_no_draft_runs_ar_and_says_so(tmp_path, prompts_jsonl, model_dirs):
+def test_a_target_without_a_draft_gets_the_suffix_drafter(tmp_path, prompts_jsonl, model_dirs):
     target, _ = model_dirs
     out = tmp_path / "out.parquet"
-    result = invoke("generate", prompts_jsonl, out, "--target", target, "--max-new-tokens", "4")
+    result = generate(prompts_jsonl, out, target)
     assert result.exit_code == 0, result.output
-    assert "autoregressive" in result.output
-    assert read_run_metadata(out)["mode"] == "ar"
+    meta = read_run_metadata(out)
+    assert meta["mode"] == "auto" and meta["drafters"] == ["suffix"] and meta["draft"] is None
+    assert [list(x) for x in pq.read_table(out).column("completion_token_ids").to_pylist()] == references(target, 12)
+    fixed = tmp_path / "fixed.parquet"  # a fixed k speculates with it every round
+    assert generate(prompts_jsonl, fixed, target, "--mode", "exspec", "--draft", "ngram,suffix").exit_code == 0
+    assert read_run_metadata(fixed)["drafters"] == ["ngram", "suffix"]
+    steps = pq.read_table(tmp_path / "fixed.stats.parquet").to_pylist()
+    assert {s["drafter"] for s in steps if s["drafted"]} <= {"ngram", "suffix", "ngram,suffix"}
+    assert pq.read_table(fixed).column("completion").to_pylist() == pq.read_table(out).column("completion").to_pylist()
+
+
+def test_draft_lists_are_checked(tmp_path, prompts_jsonl, model_dirs):
+    target, draft = model_dirs
+    for bad, needle in (("ngram,,suffix", "empty name"), (f"{draft},{draft}", "at most one draft model")):
+        result = generate(prompts_jsonl, tmp_path / "out.parquet", target, "--draft", bad)
+        assert result.exit_code == 2 and needle in result.output, result.output
 
 
 def test_stop_string_cuts_text(tmp_path, model_dirs):

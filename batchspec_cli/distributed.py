@@ -1,0 +1,294 @@
+"""Scale-out on Ray Data: the same job, its length buckets spread over a pool of workers.
+
+An adapter, nothing more (the engine does not know Ray exists)::
+
+    driver (Generation)                         Ray Data actor pool (``--ray-workers N``)
+    requests() -> blocks  ---- map_batches ---> Worker.__init__: load target + draft once,
+       (a length bucket, or a slice of one)                      build_engine(...) as a single process does
+    events(run=RayExecutor.run) <------------- Worker.__call__: engine.run(block's requests)
+       records rows + stats in the job's                        -> the block's RowResults and StepStats
+       checkpoint parts, writes OUT at the end
+
+Every block holds rows of one bucket, so every worker still sees same-length prompts. A
+block's events come back together when the block is done, in the order blocks finish;
+the driver renumbers their steps into one sequence and hands rows and steps to the job's
+own bookkeeping, so checkpoint parts, resume, fingerprint, lock and the final files are
+the single-process ones. A worker that dies is restarted by Ray and its block is run
+again (Ray Data retries the task); a block that arrives twice is dropped whole, so no row
+is lost or doubled. A row's completion does not depend on its block, its batch or its
+worker (see DESIGN §4), so the output equals a single-process run's.
+
+``ray`` is imported only here and only when a ``RayExecutor`` starts: the package works
+without it (``pip install 'batchspec[ray]'`` adds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from .events import Request, RowResult, StepStats
+from .runner import GenerateConfig, Generation, build_engine
+
+POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
+_END = object()
+INSTALL_HINT = "--ray needs Ray: pip install 'batchspec[ray]'"
+
+
+def ray_available() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken install
+        return False
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # None: RAY_ADDRESS, else a new local instance; "local" forces a new one
+    workers: int | None = None  # actor pool size (default: one per GPU, else CPUs // threads)
+    block_rows: int | None = None  # rows per block at most (default: the engine's window, 4 x batch size)
+
+
+@dataclass
+class BlockDone:
+    """A worker finished one block; its rows and steps follow this event."""
+
+    block: int
+    bucket: int
+    rows: int
+    errors: int
+    worker: str  # host:pid of the actor that ran it
+    seconds: float  # the block's time in the worker (engine only; model loading excluded)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to rebuild the job's engine (pickled to every actor)."""
+
+    cfg: GenerateConfig
+    mode: str  # the job's mode after its fallbacks (e.g. ar when there is no draft)
+    draft_spec: str | None  # the draft the driver resolved (the shipped one included), None for ar
+    lookup_names: list[str]  # model-free drafters (each worker keeps its own index over the blocks it runs)
+    threads: int
+
+
+def make_blocks(requests: Iterable[Request], block_rows: int) -> list[list[Request]]:
+    """Cut each bucket's requests into near-equal slices of at most ``block_rows`` rows;
+    most expensive blocks first (rows x (prompt + new tokens)), so the pool's tail is short."""
+    by_bucket: dict[int, list[Request]] = defaultdict(list)
+    for req in requests:
+        by_bucket[req.bucket].append(req)
+    blocks = []
+    for reqs in by_bucket.values():
+        n = math.ceil(len(reqs) / block_rows)
+        size = math.ceil(len(reqs) / n)
+        blocks += [reqs[i : i + size] for i in range(0, len(reqs), size)]
+    cost = lambda b: sum(max(r.pad_to, len(r.prompt_ids)) + r.max_new_tokens for r in b)  # noqa: E731
+    return sorted(blocks, key=cost, reverse=True)
+
+
+class Worker:
+    """A Ray Data callable class: loads the models once, then runs the engine over each block."""
+
+    def __init__(self, spec: WorkerSpec):
+        import torch
+
+        from . import models
+
+        cfg = spec.cfg
+        torch.set_num_threads(spec.threads)
+        self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=True)
+        self.draft = (models.load_draft(spec.draft_spec, self.target, cfg.dtype, cfg.device, quiet=True)
+                      if spec.draft_spec is not None else None)
+        eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
+        # run() resets the rows' state; the policy's timings and the drafters' indexes carry over between blocks
+        self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids, spec.lookup_names)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __call__(self, batch: dict) -> dict:
+        # batch: {"block": [n], "requests": [n] pickled list[Request]}; n is 1 (batch_size=1)
+        out = {"block": [], "worker": [], "seconds": [], "events": []}
+        for block, blob in zip(batch["block"], batch["requests"]):
+            requests: list[Request] = pickle.loads(blob)
+            start = time.perf_counter()
+            events = list(self.engine.run(requests))
+            out["block"].append(int(block))
+            out["worker"].append(self.name)
+            out["seconds"].append(time.perf_counter() - start)
+            out["events"].append(pickle.dumps(events))
+        return out
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null meanwhile (Ray's C++ code writes there, not to sys.stderr)."""
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _quiet_ray_data() -> None:
+    """Ray Data logs its plans and warnings to stderr; only the CLI talks."""
+    import logging
+
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
+
+
+class RayExecutor:
+    """``Generation.events(run=RayExecutor(job, rcfg).run)``: the job's requests through a Ray actor pool.
+
+    ``connect`` (or the first ``run``) joins or starts Ray; ``close`` shuts Ray down when it started or joined it.
+    """
+
+    def __init__(self, job: Generation, rcfg: RayConfig):
+        self.job, self.rcfg = job, rcfg
+        cfg = job.cfg
+        self.threads = cfg.threads or 1
+        self.block_rows = rcfg.block_rows or cfg.window or 4 * cfg.batch_size
+        self.spec = WorkerSpec(cfg=cfg, mode=job.mode, draft_spec=job.draft_spec, lookup_names=job.lookup_names,
+                               threads=self.threads)
+        self.owns_ray = False
+        self.workers = 0
+        self.gpus_per_worker = 0
+        self.address = ""
+        self.startup_s = 0.0
+
+    # ------------------------------------------------------------------ cluster
+    def connect(self) -> None:
+        # Before Ray is imported: (1) the library is silent, and Ray's C++ core logs a warning to
+        # stderr for every Ray Data actor pool (about restarts): keep only fatal ones (the line saying
+        # so is hidden below); (2) no implicit ray.init: after a stop, Ray Data's result thread may still
+        # call Ray while the driver shuts it down, and must fail there, not start a new local Ray.
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+        os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+        import ray
+
+        start = time.perf_counter()
+        if not ray.is_initialized():
+            address = self.rcfg.address or os.environ.get("RAY_ADDRESS") or "local"
+            kwargs = dict(include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                          configure_logging=True)
+            if address == "local":  # a new instance on this machine: enough logical CPUs for the pool and the driver
+                workers = self.rcfg.workers or max(1, (os.cpu_count() or 1) // self.threads)
+                package_root = str(Path(__file__).resolve().parent.parent)
+                path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+                with _stderr_silenced():
+                    ray.init(address="local", num_cpus=workers * self.threads + 1,
+                             runtime_env={"env_vars": {"PYTHONPATH": path}}, **kwargs)
+            else:
+                with _stderr_silenced():
+                    ray.init(address=address, **kwargs)
+            self.owns_ray = True
+        resources = ray.cluster_resources()
+        self.address = ray.get_runtime_context().gcs_address
+        gpus = int(resources.get("GPU", 0)) if self.job.cfg.device != "cpu" else 0
+        self.gpus_per_worker = 1 if gpus else 0
+        default = gpus or max(1, int(resources.get("CPU", 1)) // self.threads)
+        self.workers = self.rcfg.workers or default
+        self.startup_s = time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.owns_ray:
+            import ray
+
+            ray.shutdown()
+            self.owns_ray = False
+
+    # ------------------------------------------------------------------ running
+    def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats | BlockDone]:
+        import ray
+        import ray.data
+
+        blocks = make_blocks(requests, self.block_rows)
+        if not blocks:
+            return
+        if not ray.is_initialized():
+            self.connect()
+        _quiet_ray_data()
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # the CLI draws the job's one bar
+        context.print_on_execution_start = False
+        context.execution_options.preserve_order = False  # blocks come back as they finish
+        items = [{"block": i, "requests": pickle.dumps(b)} for i, b in enumerate(blocks)]
+        ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            Worker, fn_constructor_kwargs={"spec": self.spec}, batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks))),
+            num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
+        seen: set[int] = set()
+        step = 0
+        for out in self._arrivals(ds):
+            block = int(out["block"])
+            if block in seen:  # a retried block delivered twice: every row is already recorded
+                continue
+            seen.add(block)
+            events = pickle.loads(out["events"])
+            rows = [e for e in events if isinstance(e, RowResult)]
+            yield BlockDone(block=block, bucket=blocks[block][0].bucket, rows=len(rows),
+                            errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
+                            seconds=float(out["seconds"]))
+            base = step
+            for event in events:
+                if isinstance(event, StepStats):  # one step sequence for the job, in arrival order
+                    event.step += base
+                    step = max(step, event.step)
+                yield event
+
+    def _arrivals(self, ds) -> Iterator[dict]:
+        """The dataset's output rows as they arrive; ends early once the job is asked to stop.
+
+        A thread waits on Ray Data, so a stop (SIGINT / SIGTERM) is seen within POLL_S even while a
+        long block runs, as a single process sees it after the current step; blocks in flight are lost
+        (not saved) and run again on resume.
+        """
+        arrived: queue.Queue = queue.Queue()
+        closed = threading.Event()
+
+        def pump() -> None:
+            try:
+                for out in ds.iter_rows():
+                    arrived.put(out)
+                    if closed.is_set():
+                        break
+                arrived.put(_END)
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver's thread, raised there
+                arrived.put(exc)
+
+        thread = threading.Thread(target=pump, name="batchspec-ray-results", daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    item = arrived.get(timeout=POLL_S)
+                except queue.Empty:
+                    if self.job.stop_requested:
+                        return
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    if closed.is_set():
+                        return
+                    raise item
+                yield item
+        finally:
+            closed.set()
