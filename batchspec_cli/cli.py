@@ -216,7 +216,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
     worker = None
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"),
-                        TextColumn("acc {task.fields[acc]}"), TimeElapsedColumn(),
+                        TextColumn("acc {task.fields[acc]}"), TextColumn("k {task.fields[k]}"), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), console=out, disable=quiet, transient=False)
     stopped: Interrupted | None = None
     events = job.events(run=executor.run if executor is not None else None)
@@ -235,7 +235,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                         log.write("resumed", rows_saved=event.resumed_rows,
                                   rows_left=event.total_rows - event.resumed_rows)
                     task = progress.add_task(event.mode, total=event.total_rows, completed=event.resumed_rows,
-                                             tps=0.0, acc="-")
+                                             tps=0.0, acc="-", k="-")
                 elif isinstance(event, RowResult):
                     progress.advance(task)
                     if event.finish_reason == "error":
@@ -245,8 +245,10 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                     tokens += event.tokens_emitted
                     if event.k > 0:
                         accepted, spec_rows = accepted + sum(event.accepted), spec_rows + event.batch_size
+                    live_k = progress.tasks[0].fields["k"] if event.group_kind == "prefill" else \
+                        f"{event.k}" + (f" {event.drafter}" if event.k else "")  # the round's k and drafter
                     progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started),
-                                    acc=f"{1 + accepted / spec_rows:.2f}" if spec_rows else "-")
+                                    acc=f"{1 + accepted / spec_rows:.2f}" if spec_rows else "-", k=live_k)
                 elif isinstance(event, WorkerBlockDone):
                     worker = event.worker
                     log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows,
@@ -362,7 +364,16 @@ def stats_command(
         table.add_row(s.label, str(s.steps), pct(s.hit_rate),
                       "-" if s.acceptance_length is None else f"{s.acceptance_length:.2f}", pct(s.realign_share),
                       str(s.tokens), f"{s.tokens_per_s:.1f}", str(s.kv_moved), str(s.kv_gathered))
-    Console(width=max(100, Console().width)).print(table)
+    console = Console(width=max(100, Console().width))
+    console.print(table)
+    overall = summaries[-1]
+    if overall.k_histogram:
+        steps = sum(overall.k_histogram.values())
+        console.print("k per decode step: " + ", ".join(f"k={k}: {n} ({100 * n / steps:.0f} %)"
+                                                       for k, n in overall.k_histogram.items()), highlight=False)
+    if overall.expected_gain is not None:
+        console.print(f"auto: expected gain {overall.expected_gain:.2f}x, realised {overall.realised_gain:.2f}x "
+                      f"(tokens per second over the modelled plain step's)", highlight=False)
 
 
 @app.command()

@@ -88,9 +88,17 @@ class Timings:
         self.table: dict[int, dict[int, float]] = {}  # width -> {group size -> seconds}
 
     def observe(self, group: int, width: int, seconds: float) -> None:
-        row = self.table.setdefault(width, {})
-        old = row.get(group)
-        row[group] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        """A measurement moves its own entry by the moving average and every other width of the group
+        size by the same factor: a round measures only the width it ran, and what drifts (context
+        length, load from elsewhere) moves all widths alike, so their ratios keep their calibrated shape."""
+        old = self.table.get(width, {}).get(group)
+        if old is None or old <= 0:
+            self.table.setdefault(width, {})[group] = seconds
+            return
+        factor = (1 - self.ema) + self.ema * seconds / old
+        for row in self.table.values():
+            if group in row:
+                row[group] *= factor
 
     def get(self, group: int, width: int) -> float | None:
         row = self.table.get(width)

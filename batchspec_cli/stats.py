@@ -1,15 +1,23 @@
 """Summaries of a statistics file (one row per step), per bucket and overall.
 
-- group hit rate: same_length steps / (same_length + realigned) steps;
+- group hit rate: same_length steps / (same_length + realigned) steps. A step is labelled
+  by what it did: ``realigned`` when KV was moved to bring its rows to one padded length
+  (before the round in exspec/auto, between rounds in eqspec), ``same_length`` otherwise,
+  so eqspec and exspec compare honestly (plain ``ar`` steps count in neither);
 - mean acceptance length: tokens emitted per row per round, *counting* the correction or
   bonus token (= 1 + accepted / rounds);
 - realign+gather share: (realign_ms + gather_ms) / total_ms over every step;
-- tokens/s: tokens emitted / summed step time (prefill included).
+- tokens/s: tokens emitted / summed step time (prefill included);
+- k histogram: decode steps per chosen k (auto chooses it every round; 0 is a plain step);
+- expected / realised gain (auto): over the steps whose cost the policy modelled, the
+  expected tokens per modelled second, and the tokens emitted per measured second, each
+  over the rate of plain steps the policy modelled for the same groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -28,6 +36,9 @@ class Summary:
     tokens_per_s: float
     kv_moved: int
     kv_gathered: int
+    k_histogram: dict[int, int] = field(default_factory=dict)  # k -> decode steps
+    expected_gain: float | None = None
+    realised_gain: float | None = None
 
 
 def summarize_rows(label: str, rows: list[dict]) -> Summary:
@@ -37,13 +48,21 @@ def summarize_rows(label: str, rows: list[dict]) -> Summary:
     tokens = sum(r["tokens_emitted"] for r in rows)
     total_ms = sum(r["total_ms"] for r in rows)
     moving_ms = sum(r["realign_ms"] + r["gather_ms"] for r in rows)
+    decode = [r for r in rows if r["group_kind"] != "prefill"]
+    modelled = [r for r in decode if r.get("expected_ms") and r.get("plain_ms")]
+    plain_rate = sum(r["batch_size"] for r in modelled) / sum(r["plain_ms"] for r in modelled) if modelled else 0
     return Summary(
         label=label, steps=len(rows) - sum(r["group_kind"] == "prefill" for r in rows),
         hit_rate=same / len(spec) if spec else None,
         acceptance_length=tokens / row_rounds if spec and row_rounds else None,
         realign_share=moving_ms / total_ms if total_ms else 0.0, tokens=tokens,
         tokens_per_s=tokens / (total_ms / 1e3) if total_ms else 0.0,
-        kv_moved=sum(r["kv_moved"] for r in rows), kv_gathered=sum(r["kv_gathered"] for r in rows))
+        kv_moved=sum(r["kv_moved"] for r in rows), kv_gathered=sum(r["kv_gathered"] for r in rows),
+        k_histogram=dict(sorted(Counter(r["k"] for r in decode).items())),
+        expected_gain=(sum(r["expected_tokens"] for r in modelled) / sum(r["expected_ms"] for r in modelled)
+                       / plain_rate) if modelled else None,
+        realised_gain=(sum(r["tokens_emitted"] for r in modelled) / sum(r["total_ms"] for r in modelled)
+                       / plain_rate) if modelled else None)
 
 
 def summarize(path: Path) -> list[Summary]:

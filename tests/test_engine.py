@@ -290,3 +290,128 @@ def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_id
         else:  # untrimmed, the rows keep the long prompt's padding (a fallback realignment moves only the others)
             assert later[0].pad_after >= 32 * later[0].batch_size
     assert padding[True] < padding[False] / 3
+
+
+# ---------------------------------------------------------------------------- all-or-nothing under out-of-memory
+
+
+def _fail_calls(real, fail_at: set[int], counter: dict):
+    def wrapper(*args, **kwargs):
+        counter["n"] += 1
+        if counter["n"] in fail_at:
+            raise torch.OutOfMemoryError("injected")
+        return real(*args, **kwargs)
+    return wrapper
+
+
+def assert_equal_or_error_rows(results, references):
+    """Every row is the reference's text or an error row: never wrong text."""
+    for row, ref in enumerate(references):
+        r = results[row]
+        assert r.finish_reason == "error" or r.token_ids == ref, f"row {row} has wrong text"
+
+
+@pytest.mark.parametrize("mode", ["exspec", "eqspec", "auto"])
+def test_out_of_memory_inside_realign_leaves_no_trace(target, drafts, prompts, eos_ids, references, monkeypatch, mode):
+    from batchspec_cli import align
+
+    counter = {"n": 0}
+    monkeypatch.setattr(align, "_gather", _fail_calls(align._gather, {3, 9, 10}, counter))
+    results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode=mode, k=3, batch_size=6)
+    assert counter["n"] > 10, "the faults were injected inside real moves"
+    assert_equal_or_error_rows(results, references)  # a failed move changed nothing: the retry is exact
+    assert sum(r.finish_reason == "error" for r in results.values()) <= 2  # only a row failing alone gives up
+
+
+def test_out_of_memory_inside_grow_falls_back_to_the_exact_need(target, drafts, prompts, eos_ids, references,
+                                                                monkeypatch):
+    from batchspec_cli.align import SlotCache
+
+    counter = {"n": 0}
+    monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(_fail_calls(SlotCache._new_buffer, {3}, counter)))
+    results, _ = run_engine(target, drafts["perturbed"], [p * 4 for p in prompts], eos_ids, mode="exspec", k=3,
+                            batch_size=4, max_new=MAX_NEW)
+    assert counter["n"] > 3
+    assert_equal_to_reference(results, [greedy_reference(target, p * 4, MAX_NEW, eos_ids) for p in prompts])
+
+
+def test_a_cache_that_cannot_grow_errors_out_the_rows_that_need_it(target, drafts, eos_ids, monkeypatch):
+    from batchspec_cli.align import SlotCache
+
+    short, long = ragged_prompts(4, seed=41, lo=3, hi=6), ragged_prompts(2, seed=42, lo=70, hi=80)
+    prompts = short + long
+    references = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
+    real = SlotCache._new_buffer
+
+    def capped(old, capacity):  # a device that holds 64 columns per slot and not one more
+        if capacity > 64:
+            raise torch.OutOfMemoryError("injected")
+        return real(old, capacity)
+    monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(capped))
+    results, _ = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=2,
+                            buckets=[0, 0, 0, 0, 1, 1])
+    assert_equal_or_error_rows(results, references)
+    assert all(results[i].token_ids == references[i] for i in range(4)), "rows that fit are unharmed"
+    assert all(results[i].finish_reason == "error" and "out of memory" in results[i].error for i in (4, 5))
+
+
+def test_out_of_memory_inside_prefill(target, drafts, prompts, eos_ids, references):
+    """A prefill that fails half way (layer 0 wrote its KV) is retried in halves; outputs stay exact."""
+    import copy
+
+    victim = copy.deepcopy(target)
+    victim.model.layers[1] = _OOMOnce(victim.model.layers[1], fail_at=1)  # the very first forward: a prefill
+    results, stats = run_engine(victim, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=8)
+    assert victim.model.layers[1].calls > 1
+    assert_equal_to_reference(results, references)
+    first = [s for s in stats if s.group_kind == "prefill"][0]
+    assert first.batch_size == 8
+
+
+def test_a_prompt_that_does_not_fit_alone_is_an_error_row(target, drafts, prompts, eos_ids, references):
+    import copy
+
+    class AlwaysFails(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden, *args, **kwargs):
+            if hidden.shape[1] > 20:  # only long prefills run out of memory
+                raise torch.OutOfMemoryError("injected")
+            return self.layer(hidden, *args, **kwargs)
+
+    victim = copy.deepcopy(target)
+    victim.model.layers[0] = AlwaysFails(victim.model.layers[0])
+    long = ragged_prompts(1, seed=51, lo=30, hi=30)[0]
+    results, _ = run_engine(victim, drafts["perturbed"], prompts[:3] + [long], eos_ids, mode="exspec", k=3,
+                            batch_size=4, buckets=[0, 0, 0, 1])
+    assert results[3].finish_reason == "error" and "prefill" in results[3].error
+    assert [results[i].token_ids for i in range(3)] == references[:3]
+
+
+# ---------------------------------------------------------------------------- grouping under the shipped policy
+
+
+def test_exspec_default_policy_runs_same_length_groups_without_moving_kv(target, drafts, eos_ids):
+    """min_group 1.0 (the default): on a mixed-length job, whole same-length groups do occur and move nothing."""
+    prompts = ragged_prompts(32, seed=61, lo=3, hi=40)
+    lengths = [len(p) for p in prompts]
+    order = sorted(range(32), key=lambda i: lengths[i])
+    buckets = [0] * 32
+    pad_to = [0] * 32
+    for b in range(4):  # four length buckets of 8, padded to their longest as `generate` does
+        members = order[8 * b : 8 * (b + 1)]
+        for i in members:
+            buckets[i], pad_to[i] = b, max(lengths[j] for j in members)
+    prompts, buckets, pad_to = ([x[i] for i in order] for x in (prompts, buckets, pad_to))
+    references = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
+    results, stats = run_engine(target, drafts["self"], prompts, eos_ids, mode="exspec", k=3, batch_size=4,
+                                window=16, pad_to=pad_to, buckets=buckets)
+    assert_equal_to_reference(results, references)
+    rounds = [s for s in stats if s.group_kind != "prefill"]
+    same = [s for s in rounds if s.group_kind == "same_length"]
+    assert all(s.kv_moved == 0 for s in same) and all(s.kv_moved > 0 for s in rounds if s.group_kind == "realigned")
+    hit = len(same) / len(rounds)
+    assert hit > 0.3, hit  # a draft that accepts everything keeps rows in step: groups stay whole
+    assert any(s.batch_size == 4 and s.kv_moved == 0 for s in same)
