@@ -52,6 +52,7 @@ MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
+_CALIBRATION_CONTEXT = 128  # auto's start-up timings run on a context of at most this many columns
 
 
 @dataclass
@@ -320,14 +321,19 @@ class Engine:
     # ------------------------------------------------------------------ calibration (auto)
     @torch.no_grad()
     def _calibrate(self, chunk: list[Request], end: int) -> None:
-        """Time the verify of 1..K+1 tokens and the draft's forwards at the batch size, once, on throwaway caches.
+        """Time the target's verify and the draft's forwards at the batch size, once, on throwaway caches.
 
-        The policy starts from these numbers and refines them from every round's timers.
+        Verify widths 1, 2, 3 and K+1 are timed (the least of two each; widths between are
+        interpolated), on a context of at most ``_CALIBRATION_CONTEXT`` columns: the policy
+        needs the shape of the cost curve, and every round's own timers then move its level
+        to the contexts in use. About a dozen forwards, once per engine.
         """
         self.calibrated = True
         group = min(self.cfg.batch_size, self.n_slots)
-        ids = (chunk[0].prompt_ids * (end // len(chunk[0].prompt_ids) + 1))[:end]
-        tokens = torch.tensor([ids] * group, device=self.device)
+        context = min(max(2, end), _CALIBRATION_CONTEXT)
+        top = self.max_k + 1
+        ids = (chunk[0].prompt_ids * (context + top))[: context + top]
+        tokens = torch.tensor([ids] * group, device=self.device)  # [G, context + K+1]
         pad = torch.zeros(group, dtype=torch.long, device=self.device)
         sel = slice(0, group)
 
@@ -342,19 +348,25 @@ class Engine:
                 best = min(best, time.perf_counter() - began)
             return best
 
-        context = max(2, end - self.max_k - 2)
-        tcache = SlotCache(group, end + 8)
-        timed(self.target, tcache, 0, context, 1)  # prefill, and the first call's warm-up
-        timed(self.target, tcache, context, 1, 1)
-        for width in range(1, self.max_k + 2):
-            self.policy.verify.observe(group, width, timed(self.target, tcache, context, width))
+        def curve(handle: ModelHandle, widths: list[int]) -> dict[int, float]:
+            cache = SlotCache(group, context + top + 8)
+            timed(handle, cache, 0, context, 1)  # the prefill, which also warms the kernels up
+            measured = {w: timed(handle, cache, context, w) for w in widths}
+            known = sorted(measured)
+            for w in range(1, top + 1):  # linear in between
+                if w not in measured:
+                    lo = max(x for x in known if x < w)
+                    hi = min(x for x in known if x > w)
+                    measured[w] = measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
+            return measured
+
+        for width, seconds in curve(self.target, sorted({1, 2, 3, top} & set(range(1, top + 1)))).items():
+            self.policy.verify.observe(group, width, seconds)
         if self.draft is not None:
-            dcache = SlotCache(group, end + 8)
-            timed(self.draft, dcache, 0, context, 1)
-            timed(self.draft, dcache, context, 1, 1)
-            self.policy.draft_step.observe(group, 1, timed(self.draft, dcache, context, 1))
-            for width in sorted({2, self.max_k + 1}):
-                self.policy.draft_feed.observe(group, width, timed(self.draft, dcache, context, width))
+            draft = curve(self.draft, sorted({1, 2, top}))
+            self.policy.draft_step.observe(group, 1, draft[1])
+            for width in sorted({2, top}):
+                self.policy.draft_feed.observe(group, width, draft[width])
 
     # ------------------------------------------------------------------ grouping
     def _select(self) -> list[int]:

@@ -22,13 +22,16 @@ torch.set_num_threads(1)
 # ---------------------------------------------------------------------------- the policy, with invented numbers
 
 
-def policy_with(verify: dict[int, float], draft_step: float, draft_feed: float, group: int = 8, k: int = 5) -> AutoK:
+def policy_with(verify: dict[int, float], draft_step: float, draft_feed: float, group: int = 8, k: int = 5,
+                feed_longest: float | None = None) -> AutoK:
+    """A policy with invented timings (seconds): verify per width, one draft step, the draft's first forward
+    of 2 and of k+1 tokens."""
     policy = AutoK(k)
     for width, seconds in verify.items():
         policy.verify.observe(group, width, seconds)
     policy.draft_step.observe(group, 1, draft_step)
-    for width in (2, k + 1):
-        policy.draft_feed.observe(group, width, draft_feed)
+    policy.draft_feed.observe(group, 2, draft_feed)
+    policy.draft_feed.observe(group, k + 1, draft_feed if feed_longest is None else feed_longest)
     return policy
 
 
@@ -68,8 +71,8 @@ def test_policy_follows_each_row_and_the_drafts_it_has():
 
 
 def test_policy_charges_a_lagging_draft_its_catch_up():
-    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012)
-    policy.draft_feed.observe(8, 6, 0.012 + 4 * 0.05)  # each fed column costs 0.05 s (a dear draft prefill)
+    # each fed column costs 0.05 s (a dear draft prefill)
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.05)
     keys = [("model", r) for r in range(8)]
     for r in range(8):
         for _ in range(20):
@@ -77,6 +80,15 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
     assert policy.choose(8, keys, None, 2, 100.0, True).k > 0
     assert policy.choose(8, keys, None, 400, 2.0, True).k == 0  # 400 columns to feed for 2 tokens left
     assert policy.choose(8, keys, None, 400, 10_000.0, True).k > 0  # ... or spread over a long completion
+
+
+def test_a_measurement_moves_the_whole_curve_and_keeps_its_shape():
+    policy = policy_with({1: 0.1, 2: 0.15, 6: 0.3}, 0.01, 0.012)
+    policy.verify.observe(8, 1, 0.2)  # plain steps got dearer (longer contexts, load elsewhere)
+    factor = 0.8 + 0.2 * 2
+    assert policy.verify.get(8, 1) == pytest.approx(0.1 * factor)
+    assert policy.verify.get(8, 6) / policy.verify.get(8, 1) == pytest.approx(3.0)
+    assert policy.verify.get(4, 6) == pytest.approx(policy.verify.get(8, 6) / 2)  # fewer rows: proportional
 
 
 def test_expected_tokens():
