@@ -1,0 +1,115 @@
+"""Opt-in CPU kernels: linear layers with oneDNN-prepacked weights (inference only).
+
+On a CPU, a forward of a few new tokens (a verify of k + 1 tokens, a short catch-up) runs
+its linear layers as small-M matrix products, which MKL's general path does far less
+efficiently than the one-token matrix-vector product: on 2 cores, 6 rows cost about twice
+one row although the weights stream once either way. oneDNN with its weights reordered
+once into its blocked layout ("prepacked") keeps the cost of M = 1..8 rows nearly flat,
+but pays a fixed per-call overhead that makes M = 1 slower than MKL's matrix-vector path.
+
+``prepack(model, min_rows)`` therefore swaps every float32 CPU ``nn.Linear`` for a
+``PackedLinear`` that runs oneDNN for inputs of at least ``min_rows`` rows (tokens x batch)
+and the stock dense path below that. Nothing global is patched; ``unpack`` undoes it.
+
+Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
+by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
+runs are deterministic; but like the stock kernels (whose one-row and many-row paths also
+differ), a verify forward and a one-token forward of the same token may round differently.
+
+Memory: the packed copy is held next to the dense weight (which stays a ``Parameter``:
+state dicts, tied embeddings and ``model.parameters()`` are unchanged), so each packed
+layer's weight memory doubles. The packed copy is made once: re-``prepack`` after changing
+weights in place.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+DEFAULT_MIN_ROWS = 4  # 1-3 rows: MKL's stock path is as fast or faster (2-core CPU, SmolLM2-135M)
+
+
+def available() -> bool:
+    """Whether this PyTorch build has the oneDNN operators ``PackedLinear`` runs on."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` (same parameters, same state-dict keys) with a oneDNN-prepacked copy of its weight.
+
+    Inputs with at least ``min_rows`` rows (all leading dimensions together) run oneDNN on the
+    packed weight; smaller ones run ``F.linear`` on the dense weight.
+    """
+
+    def __init__(self, linear: nn.Linear, min_rows: int = DEFAULT_MIN_ROWS):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # shared, not copied: tied weights stay tied
+        self.bias = linear.bias
+        self.min_rows = min_rows
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < self.min_rows * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this layer's parameters."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear
+
+    def __deepcopy__(self, memo):
+        # The packed tensor has no storage to copy: copy the dense layer and pack it again.
+        return PackedLinear(copy.deepcopy(self.to_linear(), memo), self.min_rows)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, min_rows={self.min_rows}"
+
+
+def _packable(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module) is nn.Linear and weight is not None and weight.device.type == "cpu"
+            and weight.dtype == torch.float32 and not weight.requires_grad)
+
+
+def prepack(model: nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> nn.Module:
+    """Swap every float32 CPU ``nn.Linear`` of ``model`` (in place) for a ``PackedLinear``.
+
+    Layers already packed just take the new ``min_rows``; other layers (other dtypes or
+    devices, weights that require grad) are left alone, so this is a no-op on a GPU model.
+    Returns ``model``. Raises ``RuntimeError`` when this PyTorch has no oneDNN.
+    """
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be at least 1, got {min_rows}")
+    if not available():
+        raise RuntimeError("this PyTorch build has no oneDNN (mkldnn) linear operators")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                child.min_rows = min_rows
+            elif _packable(child):
+                setattr(parent, name, PackedLinear(child, min_rows))
+    return model
+
+
+def unpack(model: nn.Module) -> nn.Module:
+    """Undo ``prepack`` in place (plain ``nn.Linear`` layers sharing the same parameters). Returns ``model``."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child.to_linear())
+    return model
+
+
+def packed_layers(model: nn.Module) -> int:
+    """How many ``PackedLinear`` layers ``model`` holds."""
+    return sum(isinstance(m, PackedLinear) for m in model.modules())

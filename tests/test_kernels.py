@@ -1,0 +1,89 @@
+"""kernels.prepack: oneDNN-prepacked linears give the stock model's logits (float32) and its greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from batchspec_cli import kernels
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+from batchspec_cli.events import Request, RowResult
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    return make_tiny_llama(TINY_VOCAB_SIZE, seed=seed, dtype=torch.float32)
+
+
+def packed_copy(model, min_rows: int = 1):
+    return kernels.prepack(copy.deepcopy(model), min_rows=min_rows)
+
+
+def test_prepack_swaps_every_linear_and_keeps_parameters():
+    model = tiny()
+    names = dict(model.state_dict())
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    packed = packed_copy(model)
+    assert kernels.packed_layers(packed) == n_linear > 0
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert packed.state_dict().keys() == names.keys()
+    for key, value in packed.state_dict().items():
+        assert torch.equal(value, names[key])
+    kernels.unpack(packed)
+    assert kernels.packed_layers(packed) == 0 and sum(type(m) is torch.nn.Linear for m in packed.modules()) == n_linear
+
+
+def test_prepack_leaves_other_dtypes_alone():
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)  # float64
+    assert kernels.packed_layers(kernels.prepack(model)) == 0
+
+
+@pytest.mark.parametrize("min_rows", [1, 4])
+@pytest.mark.parametrize("batch,length", [(1, 1), (1, 3), (1, 6), (3, 1), (3, 5)])
+@torch.no_grad()
+def test_logits_match_the_stock_model(min_rows, batch, length):
+    model = tiny()
+    packed = packed_copy(model, min_rows)
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (batch, length), generator=torch.Generator().manual_seed(length))
+    expected, got = model(input_ids=ids).logits, packed(input_ids=ids).logits
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5), float((got - expected).abs().max())
+
+
+def test_deepcopy_of_a_packed_model_is_packed_and_equal():
+    packed = packed_copy(tiny())
+    again = copy.deepcopy(packed)
+    assert kernels.packed_layers(again) == kernels.packed_layers(packed)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, packed(input_ids=ids).logits)
+
+
+PROMPTS = [[5, 17, 40, 8], [60, 61, 62, 63, 64, 65, 66, 9], [33], [70, 12, 12, 90, 4, 44]]
+
+
+@pytest.mark.parametrize("min_rows", [1, 4])
+def test_greedy_decoding_is_identical(min_rows):
+    model = tiny()
+    packed = packed_copy(model, min_rows)
+    for prompt in PROMPTS:
+        assert greedy_reference(packed, prompt, 20, []) == greedy_reference(model, prompt, 20, [])
+
+
+@pytest.mark.parametrize("mode", ["eqspec", "exspec"])
+def test_speculative_decoding_with_packed_models_equals_ar(mode):
+    """The engine on packed target and draft (verify forwards of k + 1 tokens) == packed greedy == stock greedy."""
+    model = tiny()
+    target = packed_copy(model, min_rows=4)
+    draft = kernels.prepack(perturbed_copy(model, scale=0.01, seed=1), min_rows=4)
+    references = [greedy_reference(model, p, 13, [1]) for p in PROMPTS]
+    assert references == [greedy_reference(target, p, 13, [1]) for p in PROMPTS]
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1],
+                    EngineConfig(mode=mode, k=4, batch_size=2, window=8))
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=13, pad_to=0, bucket=0)
+                for i, p in enumerate(PROMPTS)]
+    results = {e.row: e.token_ids for e in engine.run(requests) if isinstance(e, RowResult)}
+    assert [results[i] for i in range(len(PROMPTS))] == references
