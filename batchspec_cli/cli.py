@@ -99,6 +99,9 @@ def generate(
     checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = 32,
     checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
     threads: ThreadsOpt = None,
+    kernels: Annotated[str, typer.Option("--kernels", help="stock | packed: on a CPU, linear layers with "
+                                         "oneDNN-prepacked weights (cheaper multi-token verifies; twice the weight "
+                                         "memory).")] = "stock",
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
                                       "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
                                       "RAY_ADDRESS, else starts a local Ray on this machine.")] = False,

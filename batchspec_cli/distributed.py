@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .events import Request, RowResult, StepStats
-from .runner import GenerateConfig, Generation, build_engine
+from .runner import GenerateConfig, Generation, build_engine, use_kernels
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 _END = object()
@@ -111,6 +111,7 @@ class Worker:
         self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=True)
         self.draft = (models.load_draft(spec.draft_spec, self.target, cfg.dtype, cfg.device, quiet=True)
                       if spec.draft_spec is not None else None)
+        use_kernels(cfg.kernels, self.target, self.draft)
         eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
         # run() resets the rows' state; the policy's timings and the drafters' indexes carry over between blocks
         self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids, spec.lookup_names)

@@ -39,6 +39,7 @@ from .engine import Engine, EngineConfig, ModelHandle
 from .events import Request, RowResult, Sampling, StepStats
 
 MODES = ("auto", "ar", "eqspec", "exspec")
+KERNELS = ("stock", "packed")
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -99,6 +100,7 @@ class GenerateConfig:
     stats: Path | None = None
     bucket_width: int | None = None
     threads: int | None = None
+    kernels: str = setting("stock", metadata=True)  # packed: oneDNN-prepacked linear layers on a CPU (kernels.py)
     # Scale-out (see distributed.py): how the job is spread, never what it computes.
     ray: bool = False
     ray_address: str | None = None  # implies ray
@@ -207,6 +209,7 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.window is None or cfg.window >= 1, f"--window must be a positive integer, got {cfg.window}"),
         (cfg.limit is None or cfg.limit >= 1, f"--limit must be a positive integer, got {cfg.limit}"),
         (cfg.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {cfg.mode!r}"),
+        (cfg.kernels in KERNELS, f"--kernels must be one of {', '.join(KERNELS)}, got {cfg.kernels!r}"),
         (cfg.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
         (cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
@@ -355,6 +358,7 @@ class Generation:
             if self.draft.model.device != self.target.model.device:
                 raise UsageError("draft and target ended up on different devices")
         self.draft_spec = draft_spec if self.draft is not None else None  # what a distributed worker loads
+        self.notes += use_kernels(cfg.kernels, self.target, self.draft)
         self.tokenizer = self.target.tokenizer
         self.eos_ids = models.eos_ids(self.target.model, self.tokenizer)
 
@@ -653,6 +657,18 @@ class Generation:
             "stats": str(self.stats_path),
             "first_errors": [(r.row, r.id, r.error) for r in errors[:3]],
         }
+
+
+def use_kernels(name: str, *loaded: models.LoadedModel | None) -> list[str]:
+    """Apply ``--kernels`` to the loaded models; returns notes for the user (a kernel that cannot apply)."""
+    if name == "stock":
+        return []
+    from . import kernels
+
+    if not kernels.available():
+        return ["--kernels packed needs a PyTorch build with oneDNN: running the stock kernels"]
+    done = sum(kernels.packed_layers(kernels.prepack(m.model)) for m in loaded if m is not None)
+    return [] if done else ["--kernels packed applies to float32 models on a CPU: running the stock kernels"]
 
 
 def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: models.LoadedModel | None,

@@ -258,3 +258,18 @@ def test_column_clash_refused(tmp_path, model_dirs):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi", "completion": "x"}])
     result = invoke("generate", inp, tmp_path / "out.parquet", "--target", model_dirs[0])
     assert result.exit_code == 2 and "completion" in result.output
+
+
+def test_packed_kernels_give_the_stock_kernels_output(tmp_path, prompts_jsonl, model_dirs):
+    target, draft = model_dirs
+    outs = {}
+    for name in ("stock", "packed"):
+        out = tmp_path / f"{name}.parquet"
+        result = invoke("generate", prompts_jsonl, out, "--target", target, "--draft", draft, "--max-new-tokens",
+                        "12", "--quiet", "--dtype", "float32", "--kernels", name)
+        assert result.exit_code == 0, result.output
+        assert read_run_metadata(out)["kernels"] == name
+        outs[name] = pq.read_table(out).column("completion_token_ids").to_pylist()
+    assert outs["packed"] == outs["stock"]
+    bad = invoke("generate", prompts_jsonl, tmp_path / "x.parquet", "--target", target, "--kernels", "fast")
+    assert bad.exit_code == 2 and "--kernels must be one of stock, packed" in bad.output

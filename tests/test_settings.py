@@ -78,7 +78,7 @@ def a_job(draft: bool) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
-                           eos_ids=[1, 2], resumed_rows=2)
+                           eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"])
 
 
 def old_fingerprint(job) -> dict:
@@ -121,4 +121,7 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
     for draft in (True, False):
         job = a_job(draft)
         assert Generation.fingerprint(job) == old_fingerprint(job)  # an old work directory still resumes
-        assert Generation.metadata(job) == old_metadata(job)
+        metadata, old = Generation.metadata(job), old_metadata(job)
+        assert {key: metadata[key] for key in old} == old  # the old keys keep their values
+        assert set(metadata) - set(old) == {"drafters", "kernels"}  # added with the model-free drafters, --kernels
+        assert metadata["drafters"] == (["model"] if draft else []) + ["suffix"] and metadata["kernels"] == "stock"
