@@ -17,8 +17,8 @@ So a sampled row is a function of (seed, id, prompt, target, sampling settings) 
 same under any mode, draft, k schedule, batch or window (bit for bit in float64; up to float
 near-ties in float32, as greedy rows). Acceptance is somewhat below standard rejection
 sampling: at least (1 - d) / (1 + d) against 1 - d, d the total variation between warped q
-and p. ``speculative_accept`` (Leviathan et al. 2023) is kept for measuring that difference
-(``benchmarks/acceptance.py``); the engine does not use it.
+and p (``benchmarks/acceptance.py`` measures both; on Spec-Bench at T = 0.7 / top-p 0.9 with
+the shipped draft, 0.333 against 0.353: not enough to keep a second rule).
 
 Shapes: ``B`` rows, ``n`` positions, ``V`` vocabulary. Nothing here syncs with the host
 when the callers pass the filter flags they know (``warp_probs``' ``filters``).
@@ -31,13 +31,6 @@ import hashlib
 import torch
 from torch import Tensor
 
-STREAM_DRAFT = 0  # the draft's sample for a position
-STREAM_ACCEPT = 1  # the acceptance uniform for a position
-STREAM_TARGET = 2  # the residual / bonus / plain AR sample for a position
-
-RESIDUAL_EPS = 1e-12  # a residual max(0, p - q) with less mass than this means p ≈ q: sample p
-
-
 def _i64(c: int) -> int:
     """A 64-bit unsigned constant as the int64 with the same bits."""
     return c - (1 << 64) if c >= 1 << 63 else c
@@ -46,7 +39,6 @@ def _i64(c: int) -> int:
 _GOLDEN = _i64(0x9E3779B97F4A7C15)  # splitmix64 increment
 _MIX1 = _i64(0xBF58476D1CE4E5B9)
 _MIX2 = _i64(0x94D049BB133111EB)
-_STREAM_SALT = 0xD1B54A32D192ED03  # spreads the stream tags apart before mixing
 
 
 def _shr(x: Tensor, s: int) -> Tensor:
@@ -65,23 +57,6 @@ def row_key(seed: int, row_id: str) -> int:
     """A stable 63-bit key for a row's random streams, from the run seed and the row id."""
     digest = hashlib.blake2b(f"{seed}\x1f{row_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def keyed_uniform(keys: Tensor, positions: Tensor, stream: int) -> Tensor:
-    """Counter-based uniforms in [0, 1): a pure function of (key, position, stream).
-
-    keys: [B] int64 row keys (``row_key``); positions: [B, n] int64 0-based completion
-    positions of the tokens being decided. Returns [B, n] float64.
-
-    The (key, stream) pair seeds a splitmix64 sequence and the position indexes into it;
-    the top 53 bits of the mixed word make the double.
-    """
-    keys = keys.to(torch.int64)
-    positions = positions.to(device=keys.device, dtype=torch.int64)
-    salt = torch.full_like(keys, _i64(stream * _STREAM_SALT % (1 << 64)))  # [B]
-    stream_seed = _mix64(keys ^ _mix64(salt))  # [B]
-    z = _mix64(_mix64(stream_seed[:, None] + (positions + 1) * _GOLDEN))
-    return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
 
 
 def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
@@ -130,7 +105,7 @@ def warp_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor
     return torch.where(greedy[:, None, None], one_hot, probs)
 
 
-_NOISE_SALT = _i64(0x6A09E667F3BCC909)  # keeps the noise apart from the uniform streams
+_NOISE_SALT = _i64(0x6A09E667F3BCC909)  # salts the row key before mixing
 
 
 def noise_base(keys: Tensor, positions: Tensor) -> Tensor:
@@ -201,70 +176,3 @@ def coupled_accept(drafts: Tensor, lengths: Tensor | None, target_tokens: Tensor
         match &= torch.arange(k, device=drafts.device)[None, :] < lengths[:, None]
     n_accepted = match.to(torch.int64).cumprod(-1).sum(-1)  # [B]
     return n_accepted, target_tokens.gather(1, n_accepted[:, None]).squeeze(1)
-
-
-def sample_from(probs: Tensor, u: Tensor) -> Tensor:
-    """Inverse-CDF sampling: the token whose CDF interval holds ``u * total``.
-
-    probs: [..., V] non-negative weights (rows need not be normalised); u: [...] uniforms in
-    [0, 1). Returns [...] int64. Never returns a zero-probability index; an all-zero (or
-    non-finite) row, which is a caller bug, falls back to its argmax.
-    """
-    vocab = probs.shape[-1]
-    p = probs.to(torch.float64).reshape(-1, vocab)  # [R, V]
-    cdf = p.cumsum(-1)  # [R, V]
-    total = cdf[:, -1]  # [R]
-    target = u.to(device=p.device, dtype=torch.float64).reshape(-1, 1) * total[:, None]  # [R, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # first i with cdf[i] > target
-    positions = torch.arange(vocab, device=p.device)
-    last_positive = torch.where(p > 0, positions, -1).amax(-1)  # [R]; rounding can land past it
-    idx = torch.minimum(idx, last_positive)
-    valid = (total > 0) & torch.isfinite(total)
-    idx = torch.where(valid, idx, p.argmax(-1))
-    return idx.reshape(probs.shape[:-1])
-
-
-def speculative_accept(
-    draft_tokens: Tensor, q: Tensor, p: Tensor, u_accept: Tensor, u_target: Tensor
-) -> tuple[Tensor, Tensor]:
-    """One round's acceptance for every row at once.
-
-    draft_tokens: [B, k] int64, sampled from q; q: [B, k, V] warped draft probs at each
-    drafted position; p: [B, k+1, V] warped target probs at the k positions plus the bonus
-    position; u_accept: [B, k] acceptance uniforms (STREAM_ACCEPT); u_target: [B, k+1]
-    correction/bonus uniforms (STREAM_TARGET).
-
-    Returns (n_accepted [B] int64 in 0..k, next_token [B] int64): the correction sampled
-    from normalize(max(0, p - q)) at the first rejected position (p itself when that
-    residual has no mass), or the bonus sampled from p_{k+1} when all k are accepted.
-    """
-    k = draft_tokens.shape[1]
-    d = draft_tokens[..., None]  # [B, k, 1]
-    p_d = p[:, :k].gather(-1, d).squeeze(-1).to(torch.float64)  # [B, k]
-    q_d = q.gather(-1, d).squeeze(-1).to(torch.float64)  # [B, k]
-    accepted = u_accept < (p_d / q_d).clamp(max=1.0)  # [B, k]
-    n_accepted = accepted.to(torch.int64).cumprod(-1).sum(-1)  # [B]: index of first rejection
-
-    vocab = p.shape[-1]
-    at = n_accepted[:, None, None].expand(-1, 1, vocab)  # [B, 1, V]
-    p_n = p.gather(1, at).squeeze(1).to(torch.float64)  # [B, V]
-    q_n = q.gather(1, at.clamp(max=k - 1)).squeeze(1).to(torch.float64)  # [B, V]
-    q_n = q_n * (n_accepted < k)[:, None]  # bonus position: no draft to subtract
-    residual = (p_n - q_n).clamp(min=0.0)  # [B, V]
-    p_like_q = residual.sum(-1, keepdim=True) <= RESIDUAL_EPS  # [B, 1]
-    dist = torch.where(p_like_q, p_n, residual)
-    u = u_target.gather(1, n_accepted[:, None]).squeeze(1)  # [B]
-    return n_accepted, sample_from(dist, u)
-
-
-def greedy_accept(draft_tokens: Tensor, target_argmax: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance: the longest prefix of drafts equal to the target's argmax.
-
-    draft_tokens: [B, k]; target_argmax: [B, k+1]. Returns (n_accepted [B] int64,
-    next_token [B] int64) where next_token is the target's argmax at position n_accepted:
-    the correction, or the bonus when n_accepted == k.
-    """
-    k = draft_tokens.shape[1]
-    match = draft_tokens == target_argmax[:, :k]  # [B, k]
-    n_accepted = match.to(torch.int64).cumprod(-1).sum(-1)  # [B]
-    return n_accepted, target_argmax.gather(1, n_accepted[:, None]).squeeze(1)
