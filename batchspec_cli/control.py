@@ -33,6 +33,7 @@ PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
 DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
+JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -74,7 +75,7 @@ class Acceptance:
         mine = self.rows.setdefault(row, {}).setdefault(name, [0.0, 0.0])
         mine[0], mine[1] = self.decay * mine[0] + accepted, self.decay * mine[1] + decided
         job = self.jobs.setdefault(name, [0.0, 0.0])
-        job[0], job[1] = 0.999 * job[0] + accepted, 0.999 * job[1] + decided
+        job[0], job[1] = JOB_DECAY * job[0] + accepted, JOB_DECAY * job[1] + decided
 
     def forget_row(self, row: int) -> None:
         self.rows.pop(row, None)
@@ -158,8 +159,10 @@ class AutoK(FixedK):
 
     def wants_draft(self) -> bool:
         """Whether newly admitted rows get a draft prefill now (else the draft catches up when it is needed)."""
-        group = max(self.verify.table.get(1, {1: 0}))
-        alpha = self.acceptance.job("model")
+        calibrated = self.verify.table.get(1)
+        if not calibrated:
+            return False
+        group, alpha = max(calibrated), self.acceptance.job("model")
         return any(self._goodput(group, [alpha] * group, [self.k] * group, k, 2, 1.0, True)[0] > 1.0
                    for k in range(1, self.k + 1))
 

@@ -48,9 +48,6 @@ class SlotState:
                    temperature=torch.zeros(n, dtype=torch.float64, device=device), top_k=zeros.clone(),
                    top_p=torch.ones(n, dtype=torch.float64, device=device), **host)
 
-    def host_fields(self) -> list[list]:
-        return [getattr(self, f.name) for f in fields(self) if f.name not in DEVICE_FIELDS]
-
     def live(self) -> list[int]:
         return [s for s, row in enumerate(self.rows) if row is not None]
 
@@ -83,15 +80,16 @@ class SlotState:
         for name in DEVICE_FIELDS:
             tensor = getattr(self, name)
             tensor[dst] = tensor[src]
-        snapshot = [[values[s] for values in self.host_fields()] for s, _, _ in plan]
+        snapshot = [{name: getattr(self, name)[s] for name in HOST_FIELDS} for s, _, _ in plan]
         destinations = {d for _, d, _ in plan}
         for s, _, _ in plan:
             if s not in destinations:
                 self.clear(s)
-        names = [f.name for f in fields(self) if f.name not in DEVICE_FIELDS]
-        for (s, d, new_end), values in zip(plan, snapshot):
-            row = dict(zip(names, values))
+        for (s, d, new_end), row in zip(plan, snapshot):
             shift = new_end - row["end"]
             row["end"], row["pad"], row["dend"] = new_end, row["pad"] + shift, row["dend"] + shift
             for name, value in row.items():
                 getattr(self, name)[d] = value
+
+
+HOST_FIELDS = tuple(f.name for f in fields(SlotState) if f.name not in DEVICE_FIELDS)
