@@ -1,27 +1,32 @@
-"""The speculation policy: which k a group runs this round (0 = a plain decoding step).
+"""The speculation policy: which drafter and which k a group runs this round (k = 0: a plain step).
 
 Policy apart from mechanism: the round asks ``choose(...)`` before it drafts and reports
-what it measured with ``observe_*``; nothing here touches a model or a tensor.
+what the round cost with ``observe_round``; nothing here touches a model or a tensor.
 
 ``auto`` maximises the expected committed tokens per second of the group (goodput, as
-SmartSpec/TurboSpec and vLLM's adaptive verification do):
+SmartSpec/TurboSpec and vLLM's adaptive verification do), over the options plain, the draft
+model with k = 1..K, and the model-free drafters with k = 1..K:
 
-    goodput(k) = sum_i E_i(k) / cost(k)
-    E_i(k)     = (1 - a_i^(k_i+1)) / (1 - a_i),  k_i = min(k, the row's draft length)
-    cost(k)    = verify(G, k+1) + k * draft_step(G) + catch-up   (k = 0: verify(G, 1))
+    goodput(option) = sum_i E_i(k) / cost(option)
+    E_i(k)          = (1 - a_i^(k_i+1)) / (1 - a_i),  k_i = min(k, the row's draft length)
 
-``a_i`` is the row's own per-token acceptance: a Beta estimate whose evidence decays by
-``decay`` per round (it follows the row), with the job-wide estimate as its prior (a new
-row starts from what the job has seen). The costs are seconds, measured on the run's own
-models, device and dtype: a short calibration at start-up (``Calibration``) seeds them,
-every step's own timers refine them (an exponential moving average per group size and
-verify width). Group sizes never measured are interpolated linearly between the nearest
-measured ones.
+``a_i`` is the row's own per-token acceptance for that drafter: a Beta estimate whose
+evidence decays by ``DECAY`` per round (it follows the row), with the job-wide estimate as
+its prior (a new row starts from what the job has seen).
+
+``cost(option)`` is the whole round in seconds at this group size, as the round's own clock
+measured it: drafting, verifying, and what speculation drags along (realigning rows whose
+lengths drifted apart, bookkeeping), not a bare forward. A short calibration at start-up
+seeds every option from bare forwards (the verify of k+1 tokens plus the draft's forwards);
+an option's first real round replaces its seed, and later rounds move it by a moving average. An option that looks
+worse than it is would never be measured again, so every ``EXPLORE_EVERY`` rounds of a group
+size the near-best option measured longest ago runs instead (plain steps always qualify).
+Group sizes never measured are interpolated between measured ones.
 
 Catch-up: a draft model's cache lags behind rows that ran plain steps (or were admitted
-without a draft prefill). Before it can propose it is fed the missing tokens in one
-forward; that forward is charged to the step, spread over the rounds the group still has
-ahead (it serves all of them): ``catch_up(G, tokens) * E / remaining``.
+without a draft prefill). Before it can propose it is fed the missing columns in one
+forward, charged to the round at the calibrated cost per column, spread over the rounds the
+rows still have ahead (it serves all of them).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
 DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
+EXPLORE_EVERY = 25  # rounds of a group size between two re-measurements of a near-best option
+NEAR_BEST = 0.85  # options within this share of the best goodput may be re-measured
 JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
 
@@ -82,27 +89,19 @@ class Acceptance:
 
 
 class Timings:
-    """Seconds per (group size, width) with a moving average; interpolated over group sizes."""
+    """Seconds per (group size, option) as moving averages; interpolated over group sizes."""
 
     def __init__(self, ema: float = TIME_EMA):
         self.ema = ema
-        self.table: dict[int, dict[int, float]] = {}  # width -> {group size -> seconds}
+        self.table: dict = {}  # option -> {group size -> seconds}
 
-    def observe(self, group: int, width: int, seconds: float) -> None:
-        """A measurement moves its own entry by the moving average and every other width of the group
-        size by the same factor: a round measures only the width it ran, and what drifts (context
-        length, load from elsewhere) moves all widths alike, so their ratios keep their calibrated shape."""
-        old = self.table.get(width, {}).get(group)
-        if old is None or old <= 0:
-            self.table.setdefault(width, {})[group] = seconds
-            return
-        factor = (1 - self.ema) + self.ema * seconds / old
-        for row in self.table.values():
-            if group in row:
-                row[group] *= factor
+    def observe(self, group: int, option, seconds: float) -> None:
+        row = self.table.setdefault(option, {})
+        old = row.get(group)
+        row[group] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
-    def get(self, group: int, width: int) -> float | None:
-        row = self.table.get(width)
+    def get(self, group: int, option) -> float | None:
+        row = self.table.get(option)
         if not row:
             return None
         if group in row:
@@ -127,6 +126,15 @@ class Choice:
     plain_s: float  # modelled cost of a plain step for the same group (0 when not modelled)
 
 
+@dataclass
+class Source:
+    """What one drafter offers a group this round."""
+
+    keys: list  # [G] acceptance keys (drafter name, row)
+    lengths: list[int] | None  # [G] draft tokens each row has (model-free drafters), None: k for every row
+    catch_up: int = 0  # columns the draft model's first forward must feed (2 when it is current)
+
+
 class FixedK:
     """``--mode ar|eqspec|exspec``: the same k every round (rows without a draft verify one token)."""
 
@@ -137,80 +145,93 @@ class FixedK:
     def wants_draft(self) -> bool:
         return self.k > 0
 
-    def choose(self, group: int, keys: list, draft_lengths: list[int] | None, catch_up: int, remaining: float,
-               model_draft: bool) -> Choice:
-        lengths = draft_lengths or [self.k] * len(keys)
-        expected = sum(expected_tokens(self.acceptance.row(key), min(self.k, n)) for key, n in zip(keys, lengths))
-        return Choice(self.k, expected, 0.0, 0.0)
+    def expected(self, source: Source, k: int) -> float:
+        lengths = source.lengths or [k] * len(source.keys)
+        return sum(expected_tokens(self.acceptance.row(key), min(k, n)) for key, n in zip(source.keys, lengths))
 
-    def observe_round(self, group: int, k: int, width: int, feed_s: float, steps_s: float, verify_s: float,
-                      fed: int) -> None:
+    def choose(self, group: int, sources: dict[str, Source], remaining: float) -> tuple[Choice, str]:
+        """The draft model when there is one, else the model-free drafters; k every round."""
+        for name in ("model", "lookup"):
+            if name in sources and self.k:
+                return Choice(self.k, self.expected(sources[name], self.k), 0.0, 0.0), name
+        return Choice(0, float(group), 0.0, 0.0), ""
+
+    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int) -> None:
         pass
 
 
 class AutoK(FixedK):
-    """``--mode auto``: the k in 0..max_k with the highest expected goodput for this group."""
+    """``--mode auto``: the option (drafter, k) with the highest expected goodput for this group."""
 
     def __init__(self, max_k: int):
         super().__init__(max_k)
-        self.verify = Timings()  # (G, tokens verified) -> s of the target forward
-        self.draft_feed = Timings()  # (G, tokens fed) -> s of the draft's first forward of a round
-        self.draft_step = Timings()  # (G, 1) -> s of each further one-token draft forward
+        self.rounds = Timings()  # (G, (source, k)) -> s of a whole round; ("", 0) is a plain step
+        self.feed_per_column = 0.0  # s per column a lagging draft is fed (per row of the group: x G)
+        self.measured: dict = {}  # (G, option) -> the round count at its last measurement
+        self.count: dict[int, int] = {}  # G -> rounds chosen
+
+    def calibrate(self, group: int, verify: dict[int, float], draft: dict[int, float] | None) -> None:
+        """Seed every option's cost from bare forward timings: verify[w] of w tokens, draft[w] of a draft
+        forward of w tokens (1: a draft step)."""
+        self.rounds.observe(group, ("", 0), verify[1])
+        for k in range(1, self.k + 1):
+            self.rounds.observe(group, ("lookup", k), verify[k + 1])
+            if draft:
+                self.rounds.observe(group, ("model", k), verify[k + 1] + draft[2] + (k - 1) * draft[1])
+        if draft and self.k > 1:
+            self.feed_per_column = max(0.0, draft[self.k + 1] - draft[2]) / (self.k - 1) / group
 
     def wants_draft(self) -> bool:
         """Whether newly admitted rows get a draft prefill now (else the draft catches up when it is needed)."""
-        calibrated = self.verify.table.get(1)
-        if not calibrated:
+        plain = self.rounds.table.get(("", 0))
+        if not plain:
             return False
-        group, alpha = max(calibrated), self.acceptance.job("model")
-        return any(self._goodput(group, [alpha] * group, [self.k] * group, k, 2, 1.0, True)[0] > 1.0
-                   for k in range(1, self.k + 1))
+        group = max(plain)
+        keys = [("model", -1)] * group  # no row's history: the job's estimate
+        best, _ = self._best(group, {"model": Source(keys, None, 2)}, 1.0)
+        return best.k > 0
 
-    def _cost(self, group: int, k: int, width: int, catch_up: int, per_round: float, model_draft: bool):
-        """Modelled seconds of a round (None before any timing exists)."""
-        verify = self.verify.get(group, width + 1)
-        if verify is None or k == 0 or not model_draft:
-            return verify
-        feed, step = self.draft_feed.get(group, 2), self.draft_step.get(group, 1)
-        if feed is None or step is None:
-            return None
-        cost = verify + feed + (k - 1) * step
-        if catch_up > 2:  # a lagging draft's extra columns serve every round the rows have left
-            longest = self.draft_feed.get(group, self.k + 1)
-            per_token = max(0.0, (longest or feed) - feed) / max(1, self.k - 1)
-            cost += (catch_up - 2) * per_token * min(1.0, per_round)
+    def _cost(self, group: int, source: str, k: int, catch_up: int, per_round: float) -> float | None:
+        cost = self.rounds.get(group, (source if k else "", k))
+        if cost is not None and source == "model" and catch_up > 2:  # the extra columns serve the rows' rest
+            cost += (catch_up - 2) * self.feed_per_column * group * min(1.0, per_round)
         return cost
 
-    def _goodput(self, group, alphas, lengths, k, catch_up, remaining, model_draft):
-        """(goodput of k relative to a plain step, expected tokens, modelled cost, modelled plain cost)."""
-        ks = [min(k, n) for n in lengths]
-        expected = sum(expected_tokens(a, n) for a, n in zip(alphas, ks))
-        per_round = expected / max(1, group) / max(remaining, 1.0)  # this round's share of the rows' rest
-        plain = self._cost(group, 0, 0, 0, per_round, model_draft)
-        cost = self._cost(group, k, max(ks, default=0), catch_up, per_round, model_draft)
-        if plain is None or cost is None:
-            return (1.0 if k == 0 else 0.0), expected, cost or 0.0, plain or 0.0
-        return (expected / cost) / (group / plain), expected, cost, plain
+    def _options(self, group: int, sources: dict[str, Source], remaining: float):
+        """(goodput relative to a plain step, Choice, source name) of every option, plain first."""
+        plain = self._cost(group, "", 0, 0, 1.0)
+        out = [(1.0, Choice(0, float(group), plain or 0.0, plain or 0.0), "")]
+        if plain is None:
+            return out
+        for name, source in sources.items():
+            longest = max(source.lengths) if source.lengths is not None else self.k
+            for k in range(1, min(self.k, longest) + 1):
+                expected = self.expected(source, k)
+                per_round = expected / group / max(remaining, 1.0)  # this round's share of the rows' rest
+                cost = self._cost(group, name, k, source.catch_up, per_round)
+                if cost:
+                    out.append(((expected / cost) / (group / plain), Choice(k, expected, cost, plain), name))
+        return out
 
-    def choose(self, group: int, keys: list, draft_lengths: list[int] | None, catch_up: int, remaining: float,
-               model_draft: bool) -> Choice:
-        alphas = [self.acceptance.row(key) for key in keys]
-        lengths = draft_lengths or [self.k] * len(keys)
-        best = None
-        for k in range(0, self.k + 1):
-            if k > max(lengths, default=0):
-                break
-            gain, expected, cost, plain = self._goodput(group, alphas, lengths, k, catch_up, remaining, model_draft)
-            if best is None or gain > best[0] * (1 + 1e-9):
-                best = (gain, Choice(k, expected, cost, plain))
-        return best[1]
+    def _best(self, group, sources, remaining):
+        gain, choice, name = max(self._options(group, sources, remaining), key=lambda o: o[0])
+        return choice, name
 
-    def observe_round(self, group: int, k: int, width: int, feed_s: float, steps_s: float, verify_s: float,
-                      fed: int) -> None:
-        """A round's own timers: the verify of ``width + 1`` tokens, the draft's first forward of ``fed``
-        tokens and its ``k - 1`` further steps."""
-        self.verify.observe(group, width + 1, verify_s)
-        if k and 0 < fed <= self.k + 1:
-            self.draft_feed.observe(group, fed, feed_s)
-        if k > 1:
-            self.draft_step.observe(group, 1, steps_s / (k - 1))
+    def choose(self, group: int, sources: dict[str, Source], remaining: float) -> tuple[Choice, str]:
+        options = self._options(group, sources, remaining)
+        gain, choice, name = max(options, key=lambda o: o[0])
+        self.count[group] = count = self.count.get(group, 0) + 1
+        if count % EXPLORE_EVERY == 0:  # re-measure the near-best option measured longest ago
+            near = [o for o in options if o[0] >= NEAR_BEST * gain or o[1].k == 0]
+            _, choice, name = min(near, key=lambda o: self.measured.get((group, (o[2], o[1].k)), -1))
+        return choice, name
+
+    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int) -> None:
+        """A round's own clock: ``seconds`` from its group's preparation to its last bookkeeping."""
+        if source == "model" and fed > self.k + 1:
+            return  # a long catch-up is not what this option costs from round to round
+        option = (source if k else "", k)
+        if (group, option) not in self.measured:  # the first real round replaces the bare-forward seed
+            self.rounds.table.setdefault(option, {}).pop(group, None)
+        self.rounds.observe(group, option, seconds)
+        self.measured[(group, option)] = self.count.get(group, 0)

@@ -41,7 +41,7 @@ import torch
 from . import sampling
 from .align import CacheFull, Layout, SlotCache, device_tensor, group_forward, is_run, realign, selection
 from .align import use_folded_sdpa
-from .control import AutoK, Choice, FixedK
+from .control import AutoK, Choice, FixedK, Source
 from .events import Request, RowResult, StepStats
 from .slots import SlotState
 
@@ -52,7 +52,7 @@ MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
-_CALIBRATION_CONTEXT = 128  # auto's start-up timings run on a context of at most this many columns
+_CALIBRATION_CONTEXT = 64  # auto's start-up timings run on a context of at most this many columns
 
 
 @dataclass
@@ -323,10 +323,10 @@ class Engine:
     def _calibrate(self, chunk: list[Request], end: int) -> None:
         """Time the target's verify and the draft's forwards at the batch size, once, on throwaway caches.
 
-        Verify widths 1, 2, 3 and K+1 are timed (the least of two each; widths between are
-        interpolated), on a context of at most ``_CALIBRATION_CONTEXT`` columns: the policy
-        needs the shape of the cost curve, and every round's own timers then move its level
-        to the contexts in use. About a dozen forwards, once per engine.
+        Verify widths 1, 2 and K+1 are timed (widths between are interpolated), and the
+        draft's step and first forwards, once each after a warm-up, on a context of at most
+        ``_CALIBRATION_CONTEXT`` columns. These only seed the policy: an option's first real
+        round replaces its seed. About ten short forwards, once per engine.
         """
         self.calibrated = True
         group = min(self.cfg.batch_size, self.n_slots)
@@ -337,7 +337,7 @@ class Engine:
         pad = torch.zeros(group, dtype=torch.long, device=self.device)
         sel = slice(0, group)
 
-        def timed(handle: ModelHandle, cache: SlotCache, start: int, width: int, repeats: int = 2) -> float:
+        def timed(handle: ModelHandle, cache: SlotCache, start: int, width: int, repeats: int = 1) -> float:
             best = math.inf  # the least of a few: a one-off stall elsewhere on the machine must not set the shape
             for _ in range(repeats):
                 self._sync()
@@ -360,13 +360,9 @@ class Engine:
                     measured[w] = measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
             return measured
 
-        for width, seconds in curve(self.target, sorted({1, 2, 3, top} & set(range(1, top + 1)))).items():
-            self.policy.verify.observe(group, width, seconds)
-        if self.draft is not None:
-            draft = curve(self.draft, sorted({1, 2, top}))
-            self.policy.draft_step.observe(group, 1, draft[1])
-            for width in sorted({2, top}):
-                self.policy.draft_feed.observe(group, width, draft[width])
+        verify = curve(self.target, sorted({1, 2, top}))
+        draft = curve(self.draft, sorted({1, 2, top})) if self.draft is not None else None
+        self.policy.calibrate(group, verify, draft)
 
     # ------------------------------------------------------------------ grouping
     def _select(self) -> list[int]:
@@ -451,7 +447,7 @@ class Engine:
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
-            draft = self._draft(slots, sel, pad, T, k, source, proposals, noise, clock)
+            draft = self._draft(slots, sel, pad, T, k, source, proposals, noise)
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = self.layout.tokens[sel, T - 1 : T]
@@ -472,8 +468,7 @@ class Engine:
         total = time.perf_counter() - started
         verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
         prepare_s = clock.seconds("prepare", "prepared")
-        self.policy.observe_round(G, k, max(draft.lengths, default=0), clock.seconds("draft", "fed"),
-                                  clock.seconds("fed", "verify"), verify_s, draft.fed)
+        self.policy.observe_round(G, source, k, total, draft.fed)
         live_in_group = [s for s in slots if st.rows[s] is not None]
         yield StepStats(
             bucket=bucket, step=self._next_step(), group_kind=self._kind(moved), batch_size=G, k=k,
@@ -531,22 +526,18 @@ class Engine:
         return best
 
     def _choose(self, slots: list[int], proposals) -> tuple[Choice, str]:
-        """The policy's k for this round and who drafts: the draft model or the model-free drafters."""
+        """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
         st = self.state
         rows = [st.rows[s].row for s in slots]
         remaining = sum(self._limit(st.rows[s]) - len(st.ids[s]) for s in slots) / len(slots)
-        options = []
+        sources = {}
         if proposals is not None and any(tokens for _, tokens in proposals):
-            keys = [(name or "lookup", row) for (name, _), row in zip(proposals, rows)]
-            lengths = [len(tokens) for _, tokens in proposals]
-            options.append((self.policy.choose(len(slots), keys, lengths, 0, remaining, False), "lookup"))
+            sources["lookup"] = Source([(name or "lookup", row) for (name, _), row in zip(proposals, rows)],
+                                       [len(tokens) for _, tokens in proposals])
         if self.dcache is not None:
-            catch_up = st.end[slots[0]] - min(st.dend[s] for s in slots)
-            keys = [("model", row) for row in rows]
-            options.append((self.policy.choose(len(slots), keys, None, catch_up, remaining, True), "model"))
-        if not options:
-            return Choice(0, float(len(slots)), 0.0, 0.0), ""
-        choice, source = max(options, key=lambda o: _goodput(o[0]))
+            sources["model"] = Source([("model", row) for row in rows], None,
+                                      st.end[slots[0]] - min(st.dend[s] for s in slots))
+        choice, source = self.policy.choose(len(slots), sources, remaining)
         return choice, (source if choice.k else "")
 
     def _noise(self, slots: list[int], sel, k: int):
@@ -570,20 +561,18 @@ class Engine:
         return sampling.gumbel_tokens(logits, st.temperature[sel], st.top_k[sel], st.top_p[sel],
                                       base[:, first : first + logits.shape[1]], sampled, filters)
 
-    def _draft(self, slots, sel, pad, T: int, k: int, source: str, proposals, noise, clock: Clock) -> Draft:
+    def _draft(self, slots, sel, pad, T: int, k: int, source: str, proposals, noise) -> Draft:
         if not k:
-            clock.mark("fed")
             return Draft(None, [0] * len(slots), [""] * len(slots), "")
         if source == "model":
-            return self._draft_model(slots, sel, pad, T, k, noise, clock)
-        clock.mark("fed")
+            return self._draft_model(slots, sel, pad, T, k, noise)
         names = {name for name, tokens in proposals if tokens}
         lengths = [min(k, len(tokens)) for _, tokens in proposals]
         filled = [tokens[:k] + [self.cfg.pad_id] * (k - len(tokens[:k])) for _, tokens in proposals]
         sources = [name if n else "" for (name, _), n in zip(proposals, lengths)]
         return Draft(device_tensor(filled, self.device), lengths, sources, ",".join(sorted(names)))
 
-    def _draft_model(self, slots, sel, pad, T: int, k: int, noise, clock: Clock) -> Draft:
+    def _draft_model(self, slots, sel, pad, T: int, k: int, noise) -> Draft:
         """k tokens per row from the draft model; its first forward feeds every column it has not seen."""
         model, cache, kwarg = self.draft.model, self.dcache, self.draft.cache_kwarg
         start = max(0, min(min(self.state.dend[s] for s in slots), T - 2))
@@ -591,8 +580,6 @@ class Engine:
         drafts = []
         for j in range(k):
             logits = group_forward(model, cache, kwarg, sel, inputs, pad, start, logits_to_keep=1)[:, -1:]
-            if j == 0:
-                clock.mark("fed")
             token = self._choose_tokens(self._to_target_vocab(logits), sel, noise, j)[:, 0]
             drafts.append(token)
             inputs, start = token[:, None], T + j
@@ -761,8 +748,3 @@ class Engine:
         st.move(moving, device_tensor(src, self.device), device_tensor(dst, self.device))
         self.live = st.live()
         return moved
-
-
-def _goodput(choice: Choice) -> float:
-    """Expected tokens per modelled second (expected tokens when the cost is not modelled)."""
-    return choice.expected_tokens / choice.expected_s if choice.expected_s > 0 else choice.expected_tokens

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from batchspec_cli import sampling
-from batchspec_cli.control import AutoK, Choice, FixedK, expected_tokens
+from batchspec_cli.control import EXPLORE_EVERY, AutoK, Choice, FixedK, Source, Timings, expected_tokens
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, Sampling, StepStats
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
@@ -24,37 +24,36 @@ torch.set_num_threads(1)
 
 def policy_with(verify: dict[int, float], draft_step: float, draft_feed: float, group: int = 8, k: int = 5,
                 feed_longest: float | None = None) -> AutoK:
-    """A policy with invented timings (seconds): verify per width, one draft step, the draft's first forward
-    of 2 and of k+1 tokens."""
+    """A policy calibrated with invented timings (seconds): verify per width, one draft step, the draft's
+    first forward of 2 and of k+1 tokens."""
     policy = AutoK(k)
-    for width, seconds in verify.items():
-        policy.verify.observe(group, width, seconds)
-    policy.draft_step.observe(group, 1, draft_step)
-    policy.draft_feed.observe(group, 2, draft_feed)
-    policy.draft_feed.observe(group, k + 1, draft_feed if feed_longest is None else feed_longest)
+    draft = {1: draft_step, 2: draft_feed, k + 1: draft_feed if feed_longest is None else feed_longest}
+    policy.calibrate(group, verify, draft)
     return policy
+
+
+def model(rows: int, catch_up: int = 2) -> dict[str, Source]:
+    return {"model": Source([("model", r) for r in range(rows)], None, catch_up)}
 
 
 def test_policy_picks_a_plain_step_when_verifying_is_dear():
     # This CPU at batch 8: a (k+1)-token verify costs ~1 + 0.3 k steps, a draft step 0.15 of one.
     policy = policy_with({w: 0.2 * (1 + 0.3 * (w - 1)) for w in range(1, 7)}, 0.03, 0.035)
-    keys = [("model", r) for r in range(8)]
     for r in range(8):  # rows that accept a third of their drafts (Spec-Bench: 0.38)
         for accepted in (0, 1) * 10:
             policy.acceptance.observe(("model", r), 5, accepted)
-    assert policy.acceptance.row(keys[0]) == pytest.approx(1 / 3, abs=0.05)
-    assert policy.choose(8, keys, None, 2, 100.0, True).k == 0
+    assert policy.acceptance.row(("model", 0)) == pytest.approx(1 / 3, abs=0.05)
+    assert policy.choose(8, model(8), 100.0)[0].k == 0
     assert not policy.wants_draft()
 
 
 def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
     policy = policy_with({w: 0.2 for w in range(1, 7)}, 0.0, 0.0)
-    keys = [("model", r) for r in range(8)]
     for r in range(8):
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 5)
-    choice = policy.choose(8, keys, None, 2, 100.0, True)
-    assert choice.k == 5 and choice.expected_tokens > 8 * 5
+    choice, source = policy.choose(8, model(8), 100.0)
+    assert (choice.k, source) == (5, "model") and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
 
 
@@ -66,29 +65,52 @@ def test_policy_follows_each_row_and_the_drafts_it_has():
         policy.acceptance.observe(bad, 5, 0)
     assert policy.acceptance.row(good) > 0.9 and policy.acceptance.row(bad) < 0.3
     # Model-free drafts: k is bounded by the longest proposal, and no proposal means a plain step.
-    assert policy.choose(2, [good, bad], [3, 0], 0, 100.0, False).k == 3
-    assert policy.choose(2, [good, bad], [0, 0], 0, 100.0, False).k == 0
+    choice, source = policy.choose(2, {"lookup": Source([good, bad], [3, 0])}, 100.0)
+    assert (choice.k, source) == (3, "lookup")
+    assert policy.choose(2, {}, 100.0)[0].k == 0
 
 
 def test_policy_charges_a_lagging_draft_its_catch_up():
     # each fed column costs 0.05 s (a dear draft prefill)
     policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.05)
-    keys = [("model", r) for r in range(8)]
     for r in range(8):
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 3)
-    assert policy.choose(8, keys, None, 2, 100.0, True).k > 0
-    assert policy.choose(8, keys, None, 400, 2.0, True).k == 0  # 400 columns to feed for 2 tokens left
-    assert policy.choose(8, keys, None, 400, 10_000.0, True).k > 0  # ... or spread over a long completion
+    assert policy.choose(8, model(8), 100.0)[0].k > 0
+    assert policy.choose(8, model(8, catch_up=400), 2.0)[0].k == 0  # 400 columns to feed for 2 tokens left
+    assert policy.choose(8, model(8, catch_up=400), 10_000.0)[0].k > 0  # ... or spread over a long completion
 
 
-def test_a_measurement_moves_the_whole_curve_and_keeps_its_shape():
-    policy = policy_with({1: 0.1, 2: 0.15, 6: 0.3}, 0.01, 0.012)
-    policy.verify.observe(8, 1, 0.2)  # plain steps got dearer (longer contexts, load elsewhere)
-    factor = 0.8 + 0.2 * 2
-    assert policy.verify.get(8, 1) == pytest.approx(0.1 * factor)
-    assert policy.verify.get(8, 6) / policy.verify.get(8, 1) == pytest.approx(3.0)
-    assert policy.verify.get(4, 6) == pytest.approx(policy.verify.get(8, 6) / 2)  # fewer rows: proportional
+def test_measured_rounds_overrule_the_calibration_and_exploration_remeasures():
+    """Bare forwards said k = 1 pays; the rounds say it costs 1.6 plain steps (realignment, overhead): plain wins.
+    Plain is then re-measured every so often, so a plain step that got dearer is found out."""
+    policy = policy_with({w: 0.1 * (1 + 0.05 * (w - 1)) for w in range(1, 7)}, 0.0, 0.0)
+    for r in range(8):
+        for accepted in (0, 1) * 10:
+            policy.acceptance.observe(("model", r), 5, accepted)
+    assert policy.choose(8, model(8), 100.0)[0].k > 0
+    for _ in range(20):
+        for k in range(1, 6):
+            policy.observe_round(8, "model", k, 0.16 + 0.02 * k, 2)
+    choices = [policy.choose(8, model(8), 100.0)[0].k for _ in range(100)]
+    assert choices.count(0) >= 90, choices
+    for _ in range(20):
+        policy.observe_round(8, "", 0, 0.5, 0)  # plain steps got dear
+    assert policy.choose(8, model(8), 100.0)[0].k > 0
+    for _ in range(3 * EXPLORE_EVERY):  # a model option keeps winning; plain is still measured now and then
+        choice, source = policy.choose(8, model(8), 100.0)
+        policy.observe_round(8, source, choice.k, 0.5 if choice.k == 0 else 0.2, 2)
+    assert any(g == 8 and option == ("", 0) for g, option in policy.measured)
+
+
+def test_timings_interpolate_over_group_sizes():
+    timings = Timings()
+    timings.observe(4, ("", 0), 0.1)
+    timings.observe(16, ("", 0), 0.3)
+    assert timings.get(8, ("", 0)) == pytest.approx(0.1 + 0.2 * 4 / 12)
+    assert timings.get(2, ("", 0)) == pytest.approx(0.05) and timings.get(32, ("", 0)) == pytest.approx(0.6)
+    timings.observe(4, ("", 0), 0.2)
+    assert timings.get(4, ("", 0)) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
 
 
 def test_expected_tokens():
@@ -111,8 +133,11 @@ class RandomK(FixedK):
     def wants_draft(self) -> bool:
         return self.rng.random() < 0.5
 
-    def choose(self, group, keys, draft_lengths, catch_up, remaining, model_draft) -> Choice:
-        return Choice(self.rng.randint(0, self.k), 0.0, 0.0, 0.0)
+    def choose(self, group, sources, remaining):
+        k = self.rng.randint(0, self.k)
+        if not k or not sources:
+            return Choice(0, 0.0, 0.0, 0.0), ""
+        return Choice(k, 0.0, 0.0, 0.0), self.rng.choice(sorted(sources))
 
 
 @pytest.fixture(scope="module")
