@@ -478,7 +478,7 @@ class Engine:
             gather_ms=(prepare_s if not moved else 0.0) * 1e3, total_ms=total * 1e3, drafter=draft.source,
             drafted=sum(draft.lengths), expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3)
-        yield from (result for result, _ in results)
+        yield from results
 
     def _kind(self, moved: int) -> str:
         if self.cfg.mode == "ar":
@@ -617,7 +617,7 @@ class Engine:
         return host.tolist()
 
     def _bookkeep(self, slots: list[int], T: int, k: int, draft: Draft,
-                  host: list[list[int]]) -> list[tuple[RowResult, int]]:
+                  host: list[list[int]]) -> list[RowResult]:
         """Host side of the commit: mirrors, completions, stop strings, acceptance, finished rows."""
         st, finished = self.state, []
         for i, s in enumerate(slots):
@@ -645,7 +645,7 @@ class Engine:
             st.accepted[s] += kept
             st.rounds[s] += 1
             if code != _RUNNING:
-                finished.append((self._finish(s, _REASONS[code]), s))
+                finished.append(self._finish(s, _REASONS[code]))
         return finished
 
     def _finish(self, slot: int, reason: str) -> RowResult:
