@@ -18,7 +18,9 @@ its prior (a new row starts from what the job has seen).
 measured it: drafting, verifying, and what speculation drags along (realigning rows whose
 lengths drifted apart, bookkeeping), not a bare forward. A short calibration at start-up
 seeds every option from bare forwards (the verify of k+1 tokens plus the draft's forwards);
-an option's first real round replaces its seed, and later rounds move it by a moving average. An option that looks
+an option's first real round replaces its seed, and later rounds move it by a moving average.
+Seeds flatter speculation (a bare forward leaves out realignment and bookkeeping, which grow
+with k), so a drafter's k is tried one step past the largest k it has been measured at. An option that looks
 worse than it is would never be measured again, so every ``EXPLORE_EVERY`` rounds of a group
 size the near-best option measured longest ago runs instead (plain steps always qualify).
 Group sizes never measured are interpolated between measured ones.
@@ -40,6 +42,7 @@ DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
 EXPLORE_EVERY = 25  # rounds of a group size between two re-measurements of a near-best option
 NEAR_BEST = 0.85  # options within this share of the best goodput may be re-measured
+OUTLIER = 3.0  # a round measured at more than this x its estimate counts as this x
 JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
 
@@ -96,9 +99,10 @@ class Timings:
         self.table: dict = {}  # option -> {group size -> seconds}
 
     def observe(self, group: int, option, seconds: float) -> None:
+        """A moving average; one measurement counts for at most ``OUTLIER`` x the estimate (a stall elsewhere)."""
         row = self.table.setdefault(option, {})
         old = row.get(group)
-        row[group] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        row[group] = seconds if old is None else (1 - self.ema) * old + self.ema * min(seconds, OUTLIER * old)
 
     def get(self, group: int, option) -> float | None:
         row = self.table.get(option)
@@ -169,6 +173,7 @@ class AutoK(FixedK):
         self.feed_per_column = 0.0  # s per column a lagging draft is fed (per row of the group: x G)
         self.measured: dict = {}  # (G, option) -> the round count at its last measurement
         self.count: dict[int, int] = {}  # G -> rounds chosen
+        self.ladder: dict[str, int] = {}  # drafter -> largest k measured in a real round
 
     def calibrate(self, group: int, verify: dict[int, float], draft: dict[int, float] | None) -> None:
         """Seed every option's cost from bare forward timings: verify[w] of w tokens, draft[w] of a draft
@@ -205,7 +210,8 @@ class AutoK(FixedK):
             return out
         for name, source in sources.items():
             longest = max(source.lengths) if source.lengths is not None else self.k
-            for k in range(1, min(self.k, longest) + 1):
+            ladder = self.ladder.get(name, 0) + 1  # one k past the largest already measured (seeds flatter)
+            for k in range(1, min(self.k, longest, ladder) + 1):
                 expected = self.expected(source, k)
                 per_round = expected / group / max(remaining, 1.0)  # this round's share of the rows' rest
                 cost = self._cost(group, name, k, source.catch_up, per_round)
@@ -235,3 +241,4 @@ class AutoK(FixedK):
             self.rounds.table.setdefault(option, {}).pop(group, None)
         self.rounds.observe(group, option, seconds)
         self.measured[(group, option)] = self.count.get(group, 0)
+        self.ladder[source] = max(self.ladder.get(source, 0), k)

@@ -162,6 +162,41 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids:
     return completion
 
 
+def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=None, max_new: int = 13,
+                    eos=(1,), policy=None, lookups=None):
+    """Run the engine over prompts (ids ``r0``, ``r1``...); (results by row, step stats). Every row exactly once."""
+    from batchspec_cli.engine import Engine, ModelHandle
+    from batchspec_cli.events import Request, RowResult, Sampling
+
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
+                    list(eos), cfg, policy=policy, lookups=lookups)
+    results, stats = {}, []
+    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new,
+                                    sampling=settings or Sampling()) for i, p in enumerate(prompts)):
+        if isinstance(event, RowResult):
+            assert event.row not in results, "a row finished twice"
+            results[event.row] = event
+        else:
+            stats.append(event)
+    assert sorted(results) == list(range(len(prompts))), "every row appears exactly once"
+    return results, stats
+
+
+@torch.no_grad()
+def exact_first_two(target, prompt: list[int], settings, vocab: int) -> dict[tuple[int, int], float]:
+    """P(first two tokens) of the target under the sampling settings' warping, by enumeration (p > 0 only)."""
+    from batchspec_cli.sampling import warp_probs
+
+    def probs(ids):
+        logits = target(torch.tensor([ids])).logits[:, -1:]
+        one = torch.ones(1, dtype=torch.float64)
+        return warp_probs(logits, one * settings.temperature, torch.tensor([settings.top_k]),
+                          one * settings.top_p)[0, 0]
+    first = probs(prompt)
+    return {(a, b): float(first[a] * probs(prompt + [a])[b])
+            for a in range(vocab) if first[a] > 0 for b in range(vocab)}
+
+
 # --------------------------------------------------------------------------- fixtures
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections import Counter
@@ -12,9 +11,9 @@ import torch
 
 from batchspec_cli import sampling
 from batchspec_cli.control import EXPLORE_EVERY, AutoK, Choice, FixedK, Source, Timings, expected_tokens
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling, StepStats
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+from batchspec_cli.engine import EngineConfig
+from batchspec_cli.events import Sampling
+from conftest import TINY_VOCAB_SIZE, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)
 
@@ -52,8 +51,12 @@ def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
     for r in range(8):
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 5)
-    choice, source = policy.choose(8, model(8), 100.0)
-    assert (choice.k, source) == (5, "model") and choice.expected_tokens > 8 * 5
+    ks = []  # k climbs one step past the largest measured one: bare-forward seeds flatter speculation
+    for _ in range(7):
+        choice, source = policy.choose(8, model(8), 100.0)
+        ks.append(choice.k)
+        policy.observe_round(8, source, choice.k, 0.2, 2)
+    assert ks == [1, 2, 3, 4, 5, 5, 5] and source == "model" and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
 
 
@@ -65,6 +68,8 @@ def test_policy_follows_each_row_and_the_drafts_it_has():
         policy.acceptance.observe(bad, 5, 0)
     assert policy.acceptance.row(good) > 0.9 and policy.acceptance.row(bad) < 0.3
     # Model-free drafts: k is bounded by the longest proposal, and no proposal means a plain step.
+    for k in (1, 2, 3):
+        policy.observe_round(2, "lookup", k, 0.1, 0)
     choice, source = policy.choose(2, {"lookup": Source([good, bad], [3, 0])}, 100.0)
     assert (choice.k, source) == (3, "lookup")
     assert policy.choose(2, {}, 100.0)[0].k == 0
@@ -76,6 +81,8 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
     for r in range(8):
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 3)
+    for k in range(1, 6):
+        policy.observe_round(8, "model", k, 0.1, 2)
     assert policy.choose(8, model(8), 100.0)[0].k > 0
     assert policy.choose(8, model(8, catch_up=400), 2.0)[0].k == 0  # 400 columns to feed for 2 tokens left
     assert policy.choose(8, model(8, catch_up=400), 10_000.0)[0].k > 0  # ... or spread over a long completion
@@ -157,20 +164,9 @@ def prompts():
 
 
 def run(target, draft, prompts, *, mode, k=4, batch_size=4, policy=None, settings=Sampling(), max_new=MAX_NEW,
-        eos=(1,), window=None, lookups=None):
-    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
-                    list(eos), EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size),
-                    policy=policy, lookups=lookups)
-    results, stats = {}, []
-    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, sampling=settings)
-                            for i, p in enumerate(prompts)):
-        if isinstance(event, RowResult):
-            assert event.row not in results
-            results[event.row] = event
-        else:
-            stats.append(event)
-    assert sorted(results) == list(range(len(prompts)))
-    return results, stats
+        eos=(1,), window=None):
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size)
+    return run_engine_rows(target, draft, prompts, cfg, settings=settings, max_new=max_new, eos=eos, policy=policy)
 
 
 SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9, seed=11)
@@ -216,23 +212,10 @@ def test_auto_equals_ar_and_records_its_choices(target, draft, prompts):
 V = 24
 
 
-def exact_joint(target, prompt: list[int], settings: Sampling) -> dict[tuple[int, int], float]:
-    """P(first two tokens) under the warping, by enumeration."""
-    def probs(ids):
-        logits = target(torch.tensor([ids])).logits[:, -1:]
-        one = torch.ones(1, dtype=torch.float64)
-        return sampling.warp_probs(logits, one * settings.temperature, torch.tensor([settings.top_k]),
-                                   one * settings.top_p)[0, 0]
-    with torch.no_grad():
-        first = probs(prompt)
-        return {(a, b): float(first[a] * probs(prompt + [a])[b]) for a, b in itertools.product(range(V), repeat=2)
-                if first[a] > 0}
-
-
 def sampled_tv(target, draft, settings: Sampling, n: int) -> tuple[float, float, float]:
     """(total variation of the first two tokens against the exact joint, its bound, draft acceptance)."""
     prompt = [3, 5, 2]
-    exact = exact_joint(target, prompt, settings)
+    exact = exact_first_two(target, prompt, settings, V)
     results, _ = run(target, draft, [prompt] * n, mode="exspec", k=2, batch_size=512, window=1024, settings=settings,
                      max_new=2, eos=())
     counts = Counter(tuple(r.token_ids) for r in results.values())

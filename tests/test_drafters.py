@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchspec_cli import drafters
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling, StepStats
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+from batchspec_cli.engine import EngineConfig
+from batchspec_cli.events import Sampling
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)
 MAX_NEW = 24
@@ -34,19 +34,9 @@ def prompts():
 
 def run(target, prompts, *, mode, names, draft=None, batch_size=4, k=4, settings=Sampling(), max_new=MAX_NEW,
         window=None):
-    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None, [1],
-                    EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size),
-                    lookups=drafters.make(names))
-    results, stats = {}, []
-    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, sampling=settings)
-                            for i, p in enumerate(prompts)):
-        if isinstance(event, RowResult):
-            assert event.row not in results
-            results[event.row] = event
-        else:
-            stats.append(event)
-    assert sorted(results) == list(range(len(prompts)))
-    return results, stats
+    cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size)
+    return run_engine_rows(target, draft, prompts, cfg, settings=settings, max_new=max_new,
+                           lookups=drafters.make(names))
 
 
 CASES = [("exspec", ["ngram"], None, 1, 3), ("auto", ["suffix"], None, 2, 5), ("eqspec", ["ngram", "suffix"], None, 5, 4),

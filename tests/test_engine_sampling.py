@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from collections import Counter
@@ -10,11 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from batchspec_cli import sampling
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, Sampling
 from batchspec_cli.models import SubsetHead
-from conftest import TINY_VOCAB_SIZE, make_tiny_llama, perturbed_copy
+from conftest import TINY_VOCAB_SIZE, exact_first_two, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)
 
@@ -93,18 +91,6 @@ def test_greedy_rows_in_a_sampled_batch_stay_greedy(models, prompts):
 V = 8  # a vocabulary small enough to enumerate
 
 
-def exact_joint(target, prompt: list[int], settings: Sampling) -> dict[tuple[int, int], float]:
-    """P(first two tokens) of the target under the warping, by enumeration."""
-    def probs(ids):
-        logits = target(torch.tensor([ids])).logits[:, -1:]
-        one = torch.ones(1, dtype=torch.float64)
-        return sampling.warp_probs(logits, one * settings.temperature, torch.tensor([settings.top_k]),
-                                   one * settings.top_p)[0, 0]
-    with torch.no_grad():
-        first = probs(prompt)
-        return {(a, b): float(first[a] * probs(prompt + [a])[b]) for a, b in itertools.product(range(V), repeat=2)}
-
-
 def total_variation(counts: Counter, n: int, exact: dict) -> float:
     return 0.5 * sum(abs(counts.get(key, 0) / n - p) for key, p in exact.items())
 
@@ -119,7 +105,7 @@ def test_sampled_distribution_matches_target(mode):
         mode = "exspec"
     prompt = [3, 5, 2]
     settings = Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=5)
-    exact = exact_joint(target, prompt, settings)
+    exact = exact_first_two(target, prompt, settings, V)
     with torch.no_grad():  # the draft is far from the target, so rejections and residual samples happen
         p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1], -1)
         q = torch.softmax(draft(torch.tensor([prompt])).logits[0, -1], -1)
