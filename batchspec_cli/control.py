@@ -15,8 +15,9 @@ evidence decays by ``DECAY`` per round (it follows the row), with the job-wide e
 its prior (a new row starts from what the job has seen).
 
 ``cost(option)`` is the whole round in seconds at this group size, as the round's own clock
-measured it: drafting, verifying, and what speculation drags along (realigning rows whose
-lengths drifted apart, bookkeeping), not a bare forward. A short calibration at start-up
+measured it: drafting, verifying, bookkeeping, and the realignment of the rows' lengths that
+speculation drives apart (timed before the next round, charged to this one), not a bare
+forward. A short calibration at start-up
 seeds every option from bare forwards (the verify of k+1 tokens plus the draft's forwards);
 an option's first real round replaces its seed, and later rounds move it by a moving average.
 Seeds flatter speculation (a bare forward leaves out realignment and bookkeeping, which grow
@@ -160,7 +161,7 @@ class FixedK:
                 return Choice(self.k, self.expected(sources[name], self.k), 0.0, 0.0), name
         return Choice(0, float(group), 0.0, 0.0), ""
 
-    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int) -> None:
+    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int, prepare_s: float) -> None:
         pass
 
 
@@ -174,6 +175,7 @@ class AutoK(FixedK):
         self.measured: dict = {}  # (G, option) -> the round count at its last measurement
         self.count: dict[int, int] = {}  # G -> rounds chosen
         self.ladder: dict[str, int] = {}  # drafter -> largest k measured in a real round
+        self.pending = None  # (G, option, weight) of the last round, waiting for the next round's preparation
 
     def calibrate(self, group: int, verify: dict[int, float], draft: dict[int, float] | None) -> None:
         """Seed every option's cost from bare forward timings: verify[w] of w tokens, draft[w] of a draft
@@ -232,13 +234,25 @@ class AutoK(FixedK):
             _, choice, name = min(near, key=lambda o: self.measured.get((group, (o[2], o[1].k)), -1))
         return choice, name
 
-    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int) -> None:
-        """A round's own clock: ``seconds`` from its group's preparation to its last bookkeeping."""
+    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int, prepare_s: float) -> None:
+        """A round's own clock: ``seconds`` from its choice to its last bookkeeping; ``prepare_s``: the time its
+        group took to be realigned before it, which the round before caused (speculation leaves rows at
+        different lengths, a plain step does not), so it is charged to that round's option."""
+        if self.pending is not None:  # the last round's entry took its seconds with this weight: add the move too
+            last_group, last_option, weight = self.pending
+            self.rounds.table[last_option][last_group] += weight * prepare_s
+            self.pending = None
         if source == "model" and fed > self.k + 1:
-            return  # a long catch-up is not what this option costs from round to round
+            return  # a long catch-up is not what the option costs round to round
         option = (source if k else "", k)
-        if (group, option) not in self.measured:  # the first real round replaces the bare-forward seed
+        self.pending = (group, option, self._record(group, option, seconds))
+
+    def _record(self, group: int, option, seconds: float) -> float:
+        """Enter a measurement; returns the weight it got in the option's estimate."""
+        first = (group, option) not in self.measured
+        if first:  # the first real round replaces the bare-forward seed
             self.rounds.table.setdefault(option, {}).pop(group, None)
         self.rounds.observe(group, option, seconds)
         self.measured[(group, option)] = self.count.get(group, 0)
-        self.ladder[source] = max(self.ladder.get(source, 0), k)
+        self.ladder[option[0]] = max(self.ladder.get(option[0], 0), option[1])
+        return 1.0 if first else self.rounds.ema

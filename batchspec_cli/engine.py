@@ -468,7 +468,7 @@ class Engine:
         total = time.perf_counter() - started
         verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
         prepare_s = clock.seconds("prepare", "prepared")
-        self.policy.observe_round(G, source, k, total, draft.fed)
+        self.policy.observe_round(G, source, k, total - prepare_s, draft.fed, prepare_s)
         live_in_group = [s for s in slots if st.rows[s] is not None]
         yield StepStats(
             bucket=bucket, step=self._next_step(), group_kind=self._kind(moved), batch_size=G, k=k,

@@ -55,7 +55,7 @@ def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
     for _ in range(7):
         choice, source = policy.choose(8, model(8), 100.0)
         ks.append(choice.k)
-        policy.observe_round(8, source, choice.k, 0.2, 2)
+        policy.observe_round(8, source, choice.k, 0.2, 2, 0.0)
     assert ks == [1, 2, 3, 4, 5, 5, 5] and source == "model" and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
 
@@ -69,7 +69,7 @@ def test_policy_follows_each_row_and_the_drafts_it_has():
     assert policy.acceptance.row(good) > 0.9 and policy.acceptance.row(bad) < 0.3
     # Model-free drafts: k is bounded by the longest proposal, and no proposal means a plain step.
     for k in (1, 2, 3):
-        policy.observe_round(2, "lookup", k, 0.1, 0)
+        policy.observe_round(2, "lookup", k, 0.1, 0, 0.0)
     choice, source = policy.choose(2, {"lookup": Source([good, bad], [3, 0])}, 100.0)
     assert (choice.k, source) == (3, "lookup")
     assert policy.choose(2, {}, 100.0)[0].k == 0
@@ -82,7 +82,7 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 3)
     for k in range(1, 6):
-        policy.observe_round(8, "model", k, 0.1, 2)
+        policy.observe_round(8, "model", k, 0.1, 2, 0.0)
     assert policy.choose(8, model(8), 100.0)[0].k > 0
     assert policy.choose(8, model(8, catch_up=400), 2.0)[0].k == 0  # 400 columns to feed for 2 tokens left
     assert policy.choose(8, model(8, catch_up=400), 10_000.0)[0].k > 0  # ... or spread over a long completion
@@ -98,16 +98,27 @@ def test_measured_rounds_overrule_the_calibration_and_exploration_remeasures():
     assert policy.choose(8, model(8), 100.0)[0].k > 0
     for _ in range(20):
         for k in range(1, 6):
-            policy.observe_round(8, "model", k, 0.16 + 0.02 * k, 2)
+            policy.observe_round(8, "model", k, 0.16 + 0.02 * k, 2, 0.0)
     choices = [policy.choose(8, model(8), 100.0)[0].k for _ in range(100)]
     assert choices.count(0) >= 90, choices
     for _ in range(20):
-        policy.observe_round(8, "", 0, 0.5, 0)  # plain steps got dear
+        policy.observe_round(8, "", 0, 0.5, 0, 0.0)  # plain steps got dear
     assert policy.choose(8, model(8), 100.0)[0].k > 0
     for _ in range(3 * EXPLORE_EVERY):  # a model option keeps winning; plain is still measured now and then
         choice, source = policy.choose(8, model(8), 100.0)
-        policy.observe_round(8, source, choice.k, 0.5 if choice.k == 0 else 0.2, 2)
+        policy.observe_round(8, source, choice.k, 0.5 if choice.k == 0 else 0.2, 2, 0.0)
     assert any(g == 8 and option == ("", 0) for g, option in policy.measured)
+
+
+def test_the_realignment_speculation_causes_is_charged_to_it():
+    """A plain step that first realigns rows a speculative round left apart does not pay for that move."""
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.0, 0.0)
+    policy.observe_round(8, "model", 2, 0.12, 2, 0.0)
+    policy.observe_round(8, "", 0, 0.10, 0, 0.05)  # this plain round's 0.05 s of realignment: the k = 2 round's
+    policy.observe_round(8, "", 0, 0.10, 0, 0.0)
+    policy.observe_round(8, "model", 1, 0.11, 2, 0.0)
+    assert policy.rounds.get(8, ("model", 2)) == pytest.approx(0.17)
+    assert policy.rounds.get(8, ("", 0)) == pytest.approx(0.10)
 
 
 def test_timings_interpolate_over_group_sizes():
