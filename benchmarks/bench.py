@@ -416,6 +416,9 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=["model"],
                         help="drafter configurations: model, ngram, suffix or a '+'-joined combination such as "
                              "model+suffix; every speculative mode runs once per configuration")
+    parser.add_argument("--auto-drafters", nargs="+", default=None,
+                        help="drafter configurations for auto alone (default: --drafters), e.g. auto with the "
+                             "defaults (model+suffix) beside fixed-k runs with the model")
     parser.add_argument("--by-category", action="store_true",
                         help="run every Spec-Bench category's prompts as its own job and report each")
     parser.add_argument("--target", default=None)
@@ -432,12 +435,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     try:
         configs = {config: parse_drafters(config) for config in args.drafters}
+        auto_configs = {config: parse_drafters(config) for config in (args.auto_drafters or args.drafters)}
     except ValueError as exc:
         parser.error(str(exc))
     ks = args.draft_tokens
     max_k = args.max_k or max(ks)
     spec_modes = [m for m in args.modes if m in ("auto",) + FIXED]
-    needs_model = bool(spec_modes) and any("model" in names for names in configs.values())
+    needs_model = bool(spec_modes) and any("model" in names for names in {**configs, **auto_configs}.values())
 
     tgt = models.load_model(args.target, args.dtype, args.device, quiet=True)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
@@ -471,7 +475,7 @@ def main() -> None:
         if mode in ("ar", "hf"):
             plan.append((mode, 0, ""))
         elif mode == "auto":
-            plan += [(mode, max_k, config) for config in configs]
+            plan += [(mode, max_k, config) for config in auto_configs]
         else:
             plan += [(mode, k, config) for config in configs for k in ks]
     plan = list(dict.fromkeys(plan))
