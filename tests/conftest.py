@@ -162,17 +162,23 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids:
     return completion
 
 
-def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=None, max_new: int = 13,
-                    eos=(1,), policy=None, lookups=None):
-    """Run the engine over prompts (ids ``r0``, ``r1``...); (results by row, step stats). Every row exactly once."""
+def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=None, max_new: int | list[int] = 13,
+                    eos=(1,), policy=None, lookups=None, pad_to=None, buckets=None):
+    """Run the engine over prompts (ids ``r0``, ``r1``...); (results by row, step stats). Every row exactly once.
+
+    ``max_new``, ``pad_to``, ``buckets``: one value for every row or a list of per-row values."""
     from batchspec_cli.engine import Engine, ModelHandle
     from batchspec_cli.events import Request, RowResult, Sampling
 
+    def per_row(value, default):
+        return value if isinstance(value, list) else [default if value is None else value] * len(prompts)
+    limits, pads, bucket_of = per_row(max_new, 13), per_row(pad_to, 0), per_row(buckets, 0)
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
                     list(eos), cfg, policy=policy, lookups=lookups)
     results, stats = {}, []
-    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new,
-                                    sampling=settings or Sampling()) for i, p in enumerate(prompts)):
+    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i],
+                                    sampling=settings or Sampling(), pad_to=pads[i], bucket=bucket_of[i])
+                            for i, p in enumerate(prompts)):
         if isinstance(event, RowResult):
             assert event.row not in results, "a row finished twice"
             results[event.row] = event

@@ -10,7 +10,7 @@ import torch
 
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, StepStats
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)
 MAX_NEW = 13  # not a multiple of k + 1 for most k: max_new_tokens lands inside a round
@@ -58,20 +58,7 @@ def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, wind
     cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, trim=trim)
     if min_group is not None:
         cfg.min_group = min_group
-    limits = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
-    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
-                    eos_ids, cfg)
-    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i], pad_to=(pad_to or [0] * len(prompts))[i],
-                        bucket=(buckets or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
-    results, stats = {}, []
-    for event in engine.run(requests):
-        if isinstance(event, RowResult):
-            assert event.row not in results, "a row finished twice"
-            results[event.row] = event
-        else:
-            stats.append(event)
-    assert sorted(results) == list(range(len(prompts))), "every row appears exactly once"
-    return results, stats
+    return run_engine_rows(target, draft, prompts, cfg, max_new=max_new, eos=eos_ids, pad_to=pad_to, buckets=buckets)
 
 
 def assert_equal_to_reference(results, references):
