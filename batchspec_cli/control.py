@@ -195,7 +195,7 @@ class AutoK(FixedK):
             return False
         group = max(plain)
         keys = [("model", -1)] * group  # no row's history: the job's estimate
-        best, _ = self._best(group, {"model": Source(keys, None, 2)}, 1.0)
+        _, best, _ = max(self._options(group, {"model": Source(keys, None, 2)}, 1.0), key=lambda o: o[0])
         return best.k > 0
 
     def _cost(self, group: int, source: str, k: int, catch_up: int, per_round: float) -> float | None:
@@ -220,10 +220,6 @@ class AutoK(FixedK):
                 if cost:
                     out.append(((expected / cost) / (group / plain), Choice(k, expected, cost, plain), name))
         return out
-
-    def _best(self, group, sources, remaining):
-        gain, choice, name = max(self._options(group, sources, remaining), key=lambda o: o[0])
-        return choice, name
 
     def choose(self, group: int, sources: dict[str, Source], remaining: float) -> tuple[Choice, str]:
         options = self._options(group, sources, remaining)
