@@ -17,15 +17,29 @@ import time
 from pathlib import Path
 from typing import Annotated, Optional
 
-import typer
+
+def _prefer_passive_openmp() -> None:
+    """Idle OpenMP threads sleep instead of spinning, unless the user chose a wait policy.
+
+    Read once, when torch loads its OpenMP runtime, so it must be set before torch is first
+    imported. On a shared machine a spinning thread whose partner is descheduled wastes its
+    core at every barrier: a 4-prompt job took 59 s against 10.6 s (docs/operations.md).
+    The command line owns its process, so it sets this; the library never does.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+_prefer_passive_openmp()
+
+import typer  # noqa: E402  (after the wait policy: these import torch)
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
-from .events import RowResult, StepStats
-from .io import one_line
-from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
+from .distributed import BlockDone as WorkerBlockDone  # noqa: E402  (imports no Ray)
+from .events import RowResult, StepStats  # noqa: E402
+from .io import one_line  # noqa: E402
+from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
