@@ -64,6 +64,8 @@ def read(spec: str, kind: str, split: str, config: str | None, prompt_column: st
             loaded = _load(spec, datasets.load_from_disk, spec)
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = _pick_split(spec, loaded, split)
+            elif split != DEFAULT_SPLIT:
+                raise bio.InputError(f"{spec}: a single Dataset, without splits; --split {split} does not apply")
             files = [Path(f["filename"]) for f in loaded.cache_files]
             digest = hash_files(sorted(files))
         elif kind == "glob":
@@ -109,14 +111,15 @@ def _load_hub(datasets, spec: str, config: str | None, split: str):
         raise bio.InputError(f"{spec}: no such file or directory, and the Hugging Face hub is unreachable; to read "
                              f"a dataset from the local cache ({cache}) set HF_HUB_OFFLINE=1")
     try:
-        loaded = datasets.load_dataset(spec, config, split=None)
-    except Exception as exc:  # noqa: BLE001 - connection, missing config, missing dataset...
+        return datasets.load_dataset(spec, config, split=split)
+    except Exception as exc:  # noqa: BLE001 - connection, missing config, missing dataset, unknown split...
+        if isinstance(exc, ValueError) and "Unknown split" in str(exc):  # datasets names the splits there are
+            raise bio.InputError(f"{spec}: no split {split!r} ({bio.one_line(exc)})") from None
         where = (f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set" if offline
                  else f"cannot load it from the Hugging Face hub (offline, set HF_HUB_OFFLINE=1 to read the local "
                       f"cache, {cache})")
         raise bio.InputError(f"{spec}: no such file or directory; as a hub dataset: {where}: "
                              f"{bio.one_line(exc, 200)}") from None
-    return _pick_split(spec, loaded, split)
 
 
 def _plain_table(table: pa.Table) -> pa.Table:

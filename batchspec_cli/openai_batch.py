@@ -271,6 +271,18 @@ def _prompt_text(prompt) -> str:
     return prompt
 
 
+def model_notes(inp: bio.InputTable, running: str) -> list[str]:
+    """A note for the user when the requests name models: they are recorded, ``running`` answers them."""
+    if inp.endpoints is None:
+        return []
+    named = sorted({m for m in inp.table.column("model").to_pylist() if m})
+    if not named:
+        return []
+    shown = ", ".join(repr(m) for m in named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    return [f"the requests name model{'s' if len(named) > 1 else ''} {shown}: recorded, not used; "
+            f"{running} (--target) answers every request"]
+
+
 def is_text_completion(inp: bio.InputTable, row: int) -> bool:
     """Is this row a /v1/completions request (a raw prompt, rendered without the chat template)?"""
     return inp.endpoints is not None and inp.endpoints[row] == COMPLETIONS

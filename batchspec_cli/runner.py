@@ -382,6 +382,7 @@ class Generation:
         # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
         if self.bucket_dir is not None:
             self._open_bucket_dir()
+        self.notes += openai_batch.model_notes(self.inp, self.target_name)
         fingerprint = self.fingerprint()
         if job is not None:
             changes = describe_changes(job["fingerprint"], fingerprint, FINGERPRINT_LABELS)

@@ -145,7 +145,11 @@ def test_completions_requests_use_the_raw_prompt_and_parquet_output_keeps_the_re
              for i, p in enumerate(WORDS[:4])]
     batch = write_jsonl(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    assert generate(batch, out, target, "--mode", "ar", "--output-format", "openai").exit_code == 0
+    result = invoke("generate", batch, out, "--target", target, "--dtype", "float64", "--max-new-tokens", "12",
+                    "--mode", "ar", "--output-format", "openai")
+    assert result.exit_code == 0, result.output
+    assert f"note: the requests name model 'm': recorded, not used; {target} (--target) answers" in \
+        " ".join(result.output.split())
     loaded = load_model(str(target), dtype="float64")
     for prompt, answer in zip(WORDS, read_lines(out)):
         body = Completion.model_validate(answer["response"]["body"])
