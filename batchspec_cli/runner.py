@@ -462,11 +462,10 @@ class Generation:
                 prompt_ids.append([])
                 failed.append(RowResult(row, self.inp.ids[row], [], "error", error=self.inp.errors[row]))
                 continue
+            raw = openai_batch.is_text_completion(self.inp, row)  # a /v1/completions prompt: no template, no --system
             try:
-                if openai_batch.is_text_completion(self.inp, row):  # a raw prompt: no chat template, no --system
-                    prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, False, None))
-                    continue
-                prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, cfg.chat, cfg.system))
+                prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, cfg.chat and not raw,
+                                                    None if raw else cfg.system))
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
                 prompt_ids.append([])  # never handed to the engine: the row is already finished
                 failed.append(RowResult(row, self.inp.ids[row], [], "error",

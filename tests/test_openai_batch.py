@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from batchspec_cli import openai_batch
 from batchspec_cli.cli import app
-from batchspec_cli.events import RowResult, TokenLogprob
+from batchspec_cli.events import RowResult, Sampling, TokenLogprob
 from batchspec_cli.io import InputTable
 from batchspec_cli.models import load_model
 from batchspec_cli.runner import GenerateConfig, Generation, work_dir_for
@@ -343,3 +343,21 @@ def test_per_row_top_p_and_stop_columns_are_audited_by_verify(tmp_path, model_di
     pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(inp)), inp)
     result = generate(inp, out, target, *flags, "--overwrite")
     assert result.exit_code == 2 and "row 2: column 'top_p' must be a number in (0, 1]" in result.output
+
+
+def test_the_body_settings_reach_each_rows_request(tmp_path, model_dirs):
+    target, _ = model_dirs
+    lines = [chat(logprobs=True, top_logprobs=3, stop=["ab", "cd"], top_p=0.5, temperature=0.9, seed=4,
+                  max_tokens=3),
+             {**chat(), "custom_id": "y"},
+             request("z", {"prompt": "p", "logprobs": 0}, openai_batch.COMPLETIONS)]
+    batch = write_jsonl(tmp_path / "batch.jsonl", lines)
+    cfg = GenerateConfig(input=batch, output=tmp_path / "o.jsonl", target=str(target), mode="ar", dtype="float64",
+                         max_new_tokens=11, temperature=0.1, top_p=0.7, seed=9, stop=("zz",))
+    with Generation.open(cfg) as job:
+        requests = {r.id: r for r in job.requests()}
+    assert (requests["x"].logprobs, requests["x"].stop, requests["x"].max_new_tokens) == (3, ("ab", "cd"), 3)
+    assert requests["x"].sampling == Sampling(temperature=0.9, top_k=0, top_p=0.5, seed=4)
+    assert (requests["y"].logprobs, requests["y"].stop, requests["y"].max_new_tokens) == (None, (), 11)  # the flags
+    assert requests["y"].sampling == Sampling(temperature=0.1, top_k=0, top_p=0.7, seed=9)
+    assert requests["z"].logprobs == 0

@@ -131,3 +131,11 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
         # added with the model-free drafters, --kernels, then the inputs of issue 28
         assert set(metadata) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
         assert metadata["drafters"] == (["model"] if draft else []) + ["suffix"] and metadata["kernels"] == "stock"
+
+
+def test_a_recent_setting_enters_the_fingerprint_only_away_from_its_default():
+    job = a_job(False)
+    assert not RECENT & set(Generation.fingerprint(job))  # an old work directory has none of them
+    job.cfg.stop_column, job.cfg.split = "s", "test"
+    fingerprint = Generation.fingerprint(job)
+    assert fingerprint["stop_column"] == "s" and fingerprint["split"] == "test" and "top_p_column" not in fingerprint
