@@ -148,8 +148,8 @@ def test_a_hub_id_fails_fast_offline_with_a_one_line_message(tmp_path, target, o
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", "from batchspec_cli.cli import app; app()", "generate", "someone/no-such-dataset",
-                           str(tmp_path / "o.parquet"), "--target", str(target), "--quiet"],
+    proc = subprocess.run([sys.executable, "-c", "from batchspec_cli.cli import app; app()", "generate",
+                           "someone/no-such-dataset", str(tmp_path / "o.parquet"), "--target", str(target), "--quiet"],
                           env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - started
     assert proc.returncode == 2, proc.stderr

@@ -264,7 +264,8 @@ def test_unsupported_or_bad_requests_are_named(line, needle):
 def test_honoured_fields_become_the_rows_settings():
     prompt, values = openai_batch.parse_request(chat(
         max_completion_tokens=7, temperature=0.5, top_p=0.8, seed=-3, stop="##", logprobs=True, top_logprobs=4,
-        user="u", store=False, metadata={"k": "v"}, stream=False, presence_penalty=0.0, response_format={"type": "text"},
+        user="u", store=False, metadata={"k": "v"}, stream=False, presence_penalty=0.0,
+        response_format={"type": "text"},
         model="gpt", n=1, service_tier=None, frequency_penalty=None))
     assert prompt == [{"role": "user", "content": "hi"}]
     assert values == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.8, "seed": -3, "stop": ("##",),
