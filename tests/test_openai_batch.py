@@ -305,7 +305,7 @@ def test_logprobs_are_formatted_as_openai_logprobs():
     assert logprobs.tokens == ["h", "i", "<eos>"] and logprobs.token_logprobs == [-0.25, -0.75, -0.5]
     assert logprobs.top_logprobs[0] == {"h": -0.25, "a": -1.5} and logprobs.text_offset == [0, 1, 2]
     # A row that asked for none has "logprobs": null.
-    del rows[0].logprobs
+    rows[0].logprobs = None
     chat_line, _ = openai_batch.output_lines(inp, rows, ["hi", "hi"], tokenizer, "m", True, "salt")
     assert chat_line["response"]["body"]["choices"][0]["logprobs"] is None
 
