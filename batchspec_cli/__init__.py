@@ -1,3 +1,8 @@
 """batchspec: offline batch generation with output-equivalent batched speculative decoding."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version as _version
+
+try:
+    __version__ = _version("batchspec")  # the installed distribution's version (pyproject.toml)
+except PackageNotFoundError:  # a source tree that is not installed
+    __version__ = "0.1.0+unknown"

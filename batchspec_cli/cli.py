@@ -31,15 +31,16 @@ def _prefer_passive_openmp() -> None:
 
 _prefer_passive_openmp()
 
-import typer  # noqa: E402  (after the wait policy: these import torch)
+import typer  # after the wait policy: the imports below load torch
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .distributed import BlockDone as WorkerBlockDone  # noqa: E402  (imports no Ray)
-from .events import RowResult, StepStats  # noqa: E402
-from .io import one_line  # noqa: E402
-from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError  # noqa: E402
+from . import __version__  # from importlib.metadata
+from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
+from .events import RowResult, StepStats
+from .io import one_line
+from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
@@ -49,8 +50,17 @@ EXIT_USAGE, EXIT_ROW_ERRORS = 2, 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # exit 128 + signal number: 130, 143
 
 
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"batchspec {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _commands() -> None:
+def _commands(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
     """Offline batch generation with output-equivalent batched speculative decoding."""
 
 # Reusable option aliases.
@@ -71,8 +81,17 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
 
 @app.command()
 def generate(
-    input: Annotated[Path, typer.Argument(help="Prompts: .jsonl or .parquet file, or a bucket directory.")],
-    output: Annotated[Path, typer.Argument(help="Completions .parquet file to write.")],
+    input: Annotated[Path, typer.Argument(help="Prompts: a .jsonl or .parquet file, an OpenAI batch .jsonl, a "
+                                          "Hugging Face dataset (hub id, save_to_disk directory, or a glob of "
+                                          ".jsonl/.parquet/.csv files), or a bucket directory.")],
+    output: Annotated[Path, typer.Argument(help="Completions to write: .parquet, or .jsonl for the OpenAI Batch "
+                                           "output format.")],
+    input_format: Annotated[str, typer.Option("--input-format", help="auto (an OpenAI batch file is recognised "
+                                              "by its fields) | table | openai.")] = "auto",
+    output_format: Annotated[str, typer.Option("--output-format", help="auto (by OUTPUT's suffix) | parquet | "
+                                               "openai.")] = "auto",
+    split: Annotated[str, typer.Option("--split", help="Split of a Hugging Face dataset.")] = "train",
+    config: Annotated[Optional[str], typer.Option("--config", help="Configuration name of a hub dataset.")] = None,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     mode: Annotated[str, typer.Option(help="auto (k chosen every round from measured costs) | exspec | eqspec | "
@@ -98,6 +117,9 @@ def generate(
     seed_column: Annotated[Optional[str], typer.Option("--seed-column", help="Per-row seed column.")] = None,
     max_new_tokens_column: Annotated[Optional[str], typer.Option("--max-new-tokens-column",
                                                                   help="Per-row max_new_tokens column.")] = None,
+    top_p_column: Annotated[Optional[str], typer.Option("--top-p-column", help="Per-row top_p column.")] = None,
+    stop_column: Annotated[Optional[str], typer.Option("--stop-column", help="Per-row stop strings (a string or "
+                                                       "a list of strings), besides --stop.")] = None,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = None,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")] = None,
@@ -244,7 +266,8 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                 if isinstance(event, Started):
                     for note in event.notes:
                         out.print(f"note: {note}", highlight=False)
-                    log.write("start", total_rows=event.total_rows, mode=event.mode, input=str(job.cfg.input),
+                    log.write("start", version=__version__, total_rows=event.total_rows, mode=event.mode,
+                              input=str(job.cfg.input),
                               output=str(job.cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows)
                     if event.resumed_rows:
                         out.print(f"resuming: {event.resumed_rows} of {event.total_rows} rows already saved "
@@ -301,8 +324,9 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
     code = EXIT_ROW_ERRORS if summary["errors"] else 0
     if summary["errors"]:
         row, row_id, message = summary["first_errors"][0]
+        where = "objects" if summary["output"].endswith(".jsonl") else "column"  # OpenAI Batch output: "error"
         err.print(f"{summary['errors']} of {summary['rows']} rows failed (finish_reason = error); see the error "
-                  f"column of {summary['output']}; first: row {row + 1} (id {row_id}): {message}", highlight=False)
+                  f"{where} of {summary['output']}; first: row {row + 1} (id {row_id}): {message}", highlight=False)
     log.write("finish", rows=summary["rows"], errors=summary["errors"], resumed_rows=summary["resumed_rows"],
               generated_rows=summary["generated_rows"], completion_tokens=summary["completion_tokens"],
               elapsed_s=round(elapsed, 3), output=summary["output"], stats=summary["stats"], exit_code=code)

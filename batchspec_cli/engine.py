@@ -45,8 +45,9 @@ from .control import AutoK, Choice, FixedK, Source
 from .events import Request, RowResult, StepStats
 from .slots import SlotState
 
-StopChecker = Callable[[list[int], int], int | None]
-"""(completion token ids so far, number of tokens added this round) -> cut length or None."""
+StopChecker = Callable[[list[int], int, tuple[str, ...]], int | None]
+"""(completion token ids so far, number of tokens added this round, the row's own stop strings)
+-> cut length or None."""
 
 MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
@@ -632,7 +633,7 @@ class Engine:
             for drafter in self.lookups:
                 drafter.extend(row, block[:emitted])
             if self.stop_checker is not None:
-                cut = self.stop_checker(ids, emitted)
+                cut = self.stop_checker(ids, emitted, st.rows[s].stop)
                 if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
                     emitted -= len(ids) - cut
                     kept = min(kept, emitted)

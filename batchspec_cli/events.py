@@ -42,6 +42,17 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     bucket: int = 0
     pad_to: int = 0  # left-pad the prompt to this length at admission (bucket's longest)
+    logprobs: int | None = None  # None: none wanted; 0: the chosen token's; N >= 1: also the top N (N <= 20)
+    stop: tuple[str, ...] = ()  # the row's own stop strings, in addition to the job's --stop
+
+
+@dataclass
+class TokenLogprob:
+    """One completion token's log-probability under the target, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [N] (token id, logprob), sorted by logprob descending; empty for N = 0
 
 
 @dataclass

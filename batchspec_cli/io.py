@@ -18,7 +18,7 @@ import math
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,10 @@ class InputTable:
     table: pa.Table  # every input column as read (after --limit), in input order
     prompts: list[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]
     ids: list[str]  # [rows] the row's id as a string
+    # Only for inputs that carry their own per-row requests (an OpenAI batch file, see openai_batch):
+    overrides: dict[str, list] = field(default_factory=dict)  # setting -> [rows] value or None (as row_overrides)
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
+    endpoints: list[str] | None = None  # [rows] "/v1/chat/completions" | "/v1/completions"
 
 
 # ---------------------------------------------------------------------------- reading
@@ -104,6 +108,17 @@ def read_input(
         def column_values(name: str) -> list[Any]:
             return table.column(name).to_pylist()
 
+    return table_input(path, table, prompt_column, id_column, where, column_values)
+
+
+def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str, where: list[str] | None = None,
+                column_values=None) -> InputTable:
+    """Validate a table read from any source and extract prompts and ids (see read_input).
+
+    ``where[i]`` names row i in messages (default "row i+1"); ``column_values(name)`` gives a
+    column's cells (default: the table's own)."""
+    where = where if where is not None else [f"row {i + 1}" for i in range(table.num_rows)]
+    column_values = column_values or (lambda name: table.column(name).to_pylist())
     if table.num_rows == 0:
         raise InputError(f"{path}: no rows")
     names = table.column_names
@@ -342,8 +357,8 @@ def check_output_path(out: Path, overwrite: bool) -> None:
     out = Path(out)
     if out.is_dir():
         raise InputError(f"{out}: is a directory; give a .parquet file path")
-    if out.suffix.lower() != ".parquet":
-        raise InputError(f"{out}: output must be a .parquet file")
+    if out.suffix.lower() not in (".parquet", ".jsonl"):
+        raise InputError(f"{out}: output must be a .parquet file (or .jsonl for the OpenAI Batch output format)")
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists; pass --overwrite to replace it")
     parent = out.parent
@@ -495,12 +510,22 @@ def _write_atomic(out: Path, table: pa.Table, metadata: dict | None) -> None:
     if metadata is not None:
         encoded = json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")
         table = table.replace_schema_metadata({METADATA_KEY: encoded})
+    _replace_atomic(out, lambda f: pq.write_table(table, f))
+
+
+def write_text_atomic(out: Path, text: str) -> None:
+    """Write a UTF-8 text file atomically, as the Parquet files are."""
+    _replace_atomic(Path(out), lambda f: f.write(text.encode("utf-8")))
+
+
+def _replace_atomic(out: Path, write) -> None:
+    """``write(binary file)`` into a temp file in OUT's directory, fsync, rename onto OUT, fsync the directory."""
     directory = out.parent
     tmp = directory / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

@@ -34,6 +34,8 @@ from . import __version__
 from . import drafters
 from . import io as bio
 from . import models
+from . import openai_batch
+from . import sources
 from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
 from .engine import Engine, EngineConfig, ModelHandle
 from .events import Request, RowResult, Sampling, StepStats
@@ -50,10 +52,10 @@ class UsageError(Exception):
 
 
 def setting(default=dataclasses.MISSING, *, fingerprint: bool = False, metadata: bool = False,
-            name: str | None = None, label: str | None = None):
+            name: str | None = None, label: str | None = None, recent: bool = False):
     """A `GenerateConfig` field that is part of the job's fingerprint and/or its output metadata (see `Setting`)."""
     return field(default=default, metadata={"fingerprint": fingerprint, "metadata": metadata, "name": name,
-                                            "label": label})
+                                            "label": label, "recent": recent})
 
 
 @dataclass
@@ -66,11 +68,17 @@ class GenerateConfig:
     command has one parameter per field, named as `Setting.name` (the field's name unless
     given), with the flag ``--name-with-dashes`` (tests/test_settings.py checks that they
     correspond). Anything else (batch size, threads, device...) may change between a run and
-    its resumption. A new setting is a field here plus its Typer option.
+    its resumption. A new setting is a field here plus its Typer option; a new fingerprint setting is
+    `recent=True`, so the work directory of a run by an older version, which never had it, still resumes.
     """
 
     input: Path = setting(fingerprint=True, metadata=True, label="the input's contents")
     output: Path = setting()
+    # Input and output kinds (sources.py): auto | table | openai; auto (by OUT's suffix) | parquet | openai.
+    input_format: str = setting("auto", fingerprint=True, metadata=True, recent=True)
+    output_format: str = setting("auto", metadata=True)
+    split: str = setting("train", fingerprint=True, metadata=True, recent=True)  # of a Hugging Face dataset
+    dataset_config: str | None = setting(None, fingerprint=True, metadata=True, recent=True, name="config")
     # What decides the completions.
     limit: int | None = setting(None, fingerprint=True)
     target: str | None = setting(None, fingerprint=True, metadata=True)
@@ -87,6 +95,8 @@ class GenerateConfig:
     temperature_column: str | None = setting(None, fingerprint=True, metadata=True)
     seed_column: str | None = setting(None, fingerprint=True, metadata=True)
     max_new_tokens_column: str | None = setting(None, fingerprint=True, metadata=True)
+    top_p_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    stop_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # string or list of them
     stop: tuple[str, ...] = setting((), fingerprint=True, metadata=True)
     chat: bool = setting(True, fingerprint=True, metadata=True, label="--chat/--no-chat")
     system: str | None = setting(None, fingerprint=True, metadata=True)
@@ -134,6 +144,7 @@ class Setting:
     label: str  # how messages name it: its flag, or a phrase
     fingerprint: bool  # decides the rows' completions: a resumed run must have the same value
     metadata: bool  # recorded in the output files' metadata
+    recent: bool = False  # newer than existing work directories: in the fingerprint only away from its default
 
 
 def settings() -> list[Setting]:
@@ -143,7 +154,7 @@ def settings() -> list[Setting]:
         name = f.metadata.get("name") or f.name
         out.append(Setting(field=f.name, name=name, label=f.metadata.get("label") or "--" + name.replace("_", "-"),
                            fingerprint=f.metadata.get("fingerprint", False),
-                           metadata=f.metadata.get("metadata", False)))
+                           metadata=f.metadata.get("metadata", False), recent=f.metadata.get("recent", False)))
     return out
 
 
@@ -153,8 +164,10 @@ def settings_record(cfg: GenerateConfig, kind: str, **resolved) -> dict:
     ``resolved`` replaces the configured value of those settings the job works out itself
     (a model's signature for its spec, the mode actually run, the dtype loaded).
     """
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateConfig)}
     record = {s.name: resolved.pop(s.name) if s.name in resolved else _json_value(getattr(cfg, s.field))
-              for s in settings() if getattr(s, kind)}
+              for s in settings() if getattr(s, kind)
+              and not (kind == "fingerprint" and s.recent and getattr(cfg, s.field) == defaults[s.field])}
     if resolved:
         raise KeyError(f"not {kind} settings: {', '.join(sorted(resolved))}")
     return record
@@ -211,6 +224,10 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {cfg.mode!r}"),
         (cfg.kernels in KERNELS, f"--kernels must be one of {', '.join(KERNELS)}, got {cfg.kernels!r}"),
         (cfg.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
+        (cfg.input_format in sources.INPUT_FORMATS,
+         f"--input-format must be one of {', '.join(sources.INPUT_FORMATS)}, got {cfg.input_format!r}"),
+        (cfg.output_format in sources.OUTPUT_FORMATS,
+         f"--output-format must be one of {', '.join(sources.OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
         (cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
@@ -323,7 +340,8 @@ class Generation:
 
         # Read the input before any model is loaded: bad input fails fast.
         self.bucket_dir: Path | None = None
-        if cfg.input.is_dir():
+        self.output_format = sources.output_format(cfg)
+        if cfg.input.is_dir() and not sources.is_dataset_dir(cfg.input):
             if not is_bucket_dir(cfg.input):
                 raise UsageError(f"{cfg.input}: a directory, but not a bucket directory (no manifest.json)")
             self.bucket_dir = cfg.input
@@ -331,11 +349,10 @@ class Generation:
             self.input_hash = hash_files([cfg.input / "manifest.json"] +
                                          [cfg.input / b.shard for b in self.manifest.buckets])
         else:
-            self.inp = bio.read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
+            self.inp, self.input_hash = sources.read(cfg)  # a file, a Hugging Face dataset or an OpenAI batch
             if "__row" in self.inp.table.column_names or "__prompt_ids" in self.inp.table.column_names:
                 raise UsageError(f"{cfg.input}: column names __row and __prompt_ids are reserved")
-            self.overrides = row_overrides(self.inp.table, cfg)
-            self.input_hash = hash_files([cfg.input])
+            self.overrides = {**row_overrides(self.inp.table, cfg), **self.inp.overrides}
 
         # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
         draft_spec, self.lookup_names = self._drafters()
@@ -365,6 +382,7 @@ class Generation:
         # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
         if self.bucket_dir is not None:
             self._open_bucket_dir()
+        self.notes += openai_batch.model_notes(self.inp, self.target_name)
         fingerprint = self.fingerprint()
         if job is not None:
             changes = describe_changes(job["fingerprint"], fingerprint, FINGERPRINT_LABELS)
@@ -440,8 +458,14 @@ class Generation:
             return []
         prompt_ids, failed = [], []
         for row, prompt in enumerate(self.inp.prompts):
+            if row in self.inp.errors:  # a request refused before generation (an OpenAI batch line)
+                prompt_ids.append([])
+                failed.append(RowResult(row, self.inp.ids[row], [], "error", error=self.inp.errors[row]))
+                continue
+            raw = openai_batch.is_text_completion(self.inp, row)  # a /v1/completions prompt: no template, no --system
             try:
-                prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, cfg.chat, cfg.system))
+                prompt_ids.append(bio.render_prompt(self.tokenizer, prompt, cfg.chat and not raw,
+                                                    None if raw else cfg.system))
             except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
                 prompt_ids.append([])  # never handed to the engine: the row is already finished
                 failed.append(RowResult(row, self.inp.ids[row], [], "error",
@@ -495,7 +519,8 @@ class Generation:
     def requests(self) -> Iterator[Request]:
         """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _pending."""
         cfg = self.cfg
-        temperature, seed, max_new = (self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens"))
+        temperature, seed, max_new, top_p, stops, logprobs = (
+            self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
         skip = set(self.results)
         current = None
         for bucket, batch in iter_bucket_rows(self.bucket_dir, self.manifest):
@@ -521,10 +546,11 @@ class Generation:
                         error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
                     continue
                 sampling = Sampling(temperature=_pick(temperature, row, cfg.temperature), top_k=cfg.top_k,
-                                    top_p=cfg.top_p, seed=_pick(seed, row, cfg.seed))
+                                    top_p=_pick(top_p, row, cfg.top_p), seed=_pick(seed, row, cfg.seed))
                 yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
-                              bucket=bucket.index, pad_to=bucket.hi)
+                              bucket=bucket.index, pad_to=bucket.hi, logprobs=_pick(logprobs, row, None),
+                              stop=_pick(stops, row, ()))
         self._seal(current)
 
     def _seal(self, bucket: int | None) -> None:
@@ -633,7 +659,8 @@ class Generation:
         for r in results:
             text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True)
             if r.finish_reason == "stop_string":
-                text = text[: min((i for i in (text.find(s) for s in self.cfg.stop) if i >= 0), default=len(text))]
+                stops = self.cfg.stop + _pick(self.overrides.get("stop"), r.row, ())
+                text = text[: min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
             out.append(text)
         return out
 
@@ -646,7 +673,11 @@ class Generation:
             raise RuntimeError(f"{missing} rows have no result")
         meta = self.metadata()
         self.work.mark_finishing()
-        bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta)
+        if self.output_format == "openai":
+            openai_batch.write_output(self.cfg.output, self.inp, results, self.texts(results), self.tokenizer,
+                                      model=self.target_name, chat=self.cfg.chat, salt=self.input_hash)
+        else:
+            bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta)
         bio.write_stats(self.stats_path, self.stats, meta)
         self.work.remove()
         errors = [r for r in results if r.finish_reason == "error"]
@@ -681,7 +712,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
                          pad_id=pad_id)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
-    checker = StopStrings(tokenizer, cfg.stop) if cfg.stop else None
+    checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
     return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
                   lookups=drafters.make(lookup_names))
 
@@ -696,11 +727,13 @@ OVERRIDES = {  # name -> (config attribute naming the column, type, smallest val
     "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
     "seed": ("seed_column", int, None, "--seed-column"),
     "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
+    "top_p": ("top_p_column", float, 0.0, "--top-p-column"),  # in (0, 1]: 0 itself is refused below
 }
 
 
 def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
-    """Per-row temperature / seed / max_new_tokens from input columns; InputError on a bad cell."""
+    """Per-row temperature / seed / max_new_tokens / top_p / stop strings from input columns; InputError on a bad
+    cell."""
     out = {}
     for name, (attr, kind, smallest, flag) in OVERRIDES.items():
         column = getattr(cfg, attr)
@@ -716,12 +749,28 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and kind is int:
                 ok = float(value).is_integer()
-            if not ok or (smallest is not None and value < smallest):
+            if not ok or (smallest is not None and value < smallest) or (name == "top_p" and not 0 < value <= 1):
+                bound = " in (0, 1]" if name == "top_p" else "" if smallest is None else f" >= {smallest:g}"
                 raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be a "
-                                     f"{'number' if kind is float else 'integer'}"
-                                     f"{'' if smallest is None else f' >= {smallest:g}'}, got {value!r}")
+                                     f"{'number' if kind is float else 'integer'}{bound}, got {value!r}")
             values.append(kind(value))
         out[name] = values
+    if cfg.stop_column is not None:
+        out["stop"] = stop_cells(table, cfg.stop_column, cfg.input)
+    return out
+
+
+def stop_cells(table, column: str, source) -> list[tuple[str, ...]]:
+    """Per-row stop strings from a column of strings or lists of strings (null: none of its own)."""
+    if column not in table.column_names:
+        raise bio.InputError(f"{source}: --stop-column names column {column!r}, which is not in the input")
+    out = []
+    for i, value in enumerate(table.column(column).to_pylist()):
+        stops = () if value is None else (value,) if isinstance(value, str) else value
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise bio.InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "
+                                 f"of them, got {value!r}")
+        out.append(tuple(stops))
     return out
 
 
@@ -741,28 +790,31 @@ class StopStrings:
     MARGIN_TOKENS = 8
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.context_tokens = max(len(s.encode("utf-8")) for s in stops) + self.MARGIN_TOKENS
+        self.tokenizer, self.stops = tokenizer, tuple(stops)
         self.skipped = set(tokenizer.all_special_ids)  # decoded with skip_special_tokens: no text
 
-    def _hit(self, ids: list[int]) -> bool:
+    def _hit(self, ids: list[int], stops: tuple[str, ...]) -> bool:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
+        return any(s in text for s in stops)
 
-    def _window_start(self, ids: list[int], n_new: int) -> int:
-        """First index of the tail to decode: the new tokens and ``context_tokens`` text tokens before them."""
-        start, need = len(ids) - n_new, self.context_tokens
+    def _window_start(self, ids: list[int], n_new: int, stops: tuple[str, ...]) -> int:
+        """First index of the tail to decode: the new tokens and enough text tokens before them."""
+        start, need = len(ids) - n_new, max(len(s.encode("utf-8")) for s in stops) + self.MARGIN_TOKENS
         while start > 0 and need > 0:
             start -= 1
             need -= ids[start] not in self.skipped
         return start
 
-    def __call__(self, ids: list[int], n_new: int) -> int | None:
-        start = self._window_start(ids, n_new)
-        if not self._hit(ids[start:]):
+    def __call__(self, ids: list[int], n_new: int, row_stops: tuple[str, ...] = ()) -> int | None:
+        """The cut for the job's stop strings plus the row's own (``Request.stop``), or None."""
+        stops = self.stops + tuple(row_stops)
+        if not stops:
+            return None
+        start = self._window_start(ids, n_new, stops)
+        if not self._hit(ids[start:], stops):
             return None
         for cut in range(max(1, len(ids) - n_new + 1), len(ids) + 1):
-            if self._hit(ids[start:cut]):
+            if self._hit(ids[start:cut], stops):
                 return cut
         return len(ids)
 

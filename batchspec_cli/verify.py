@@ -129,7 +129,7 @@ def _noise_for(meta: dict, row: dict, prompt_len: int, device) -> KeyedGumbel | 
         return None
     seed = int(_row_setting(meta, row, "seed", 0))
     return KeyedGumbel(sampling.row_key(seed, str(row["id"])), prompt_len, temperature,
-                       int(meta.get("top_k") or 0), float(meta.get("top_p") or 1.0), device)
+                       int(meta.get("top_k") or 0), float(_row_setting(meta, row, "top_p", 1.0)), device)
 
 
 @torch.no_grad()

@@ -224,7 +224,7 @@ def test_out_of_memory_mid_forward_halves_the_group_and_loses_nothing(target, dr
 
 def test_stop_checker_cuts_inside_a_round_and_stats_stay_consistent(target, drafts, prompts, eos_ids, references):
     """A stop "string" here: the token pair references[row][2:4], which ends inside the first round (k=4)."""
-    def checker(ids, n_new):
+    def checker(ids, n_new, row_stops=()):
         for cut in range(max(2, len(ids) - n_new + 1), len(ids) + 1):
             if any(ref[2:4] == ids[cut - 2:cut] for ref in references if len(ref) >= 5):
                 return cut

@@ -63,8 +63,13 @@ OLD_LABELS = {
 }
 
 
+RECENT = {"input_format", "split", "config", "top_p_column", "stop_column"}  # recent=True: newer than OLD_LABELS
+
+
 def test_fingerprint_labels_are_unchanged_in_order():
-    assert list(FINGERPRINT_LABELS.items()) == list(OLD_LABELS.items())
+    assert [(k, v) for k, v in FINGERPRINT_LABELS.items() if k not in RECENT] == list(OLD_LABELS.items())
+    assert set(FINGERPRINT_LABELS) - set(OLD_LABELS) == RECENT
+    assert {s.name for s in settings() if s.recent} == RECENT
 
 
 def a_job(draft: bool) -> SimpleNamespace:
@@ -123,5 +128,14 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
         assert Generation.fingerprint(job) == old_fingerprint(job)  # an old work directory still resumes
         metadata, old = Generation.metadata(job), old_metadata(job)
         assert {key: metadata[key] for key in old} == old  # the old keys keep their values
-        assert set(metadata) - set(old) == {"drafters", "kernels"}  # added with the model-free drafters, --kernels
+        # added with the model-free drafters, --kernels, then the inputs of issue 28
+        assert set(metadata) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
         assert metadata["drafters"] == (["model"] if draft else []) + ["suffix"] and metadata["kernels"] == "stock"
+
+
+def test_a_recent_setting_enters_the_fingerprint_only_away_from_its_default():
+    job = a_job(False)
+    assert not RECENT & set(Generation.fingerprint(job))  # an old work directory has none of them
+    job.cfg.stop_column, job.cfg.split = "s", "test"
+    fingerprint = Generation.fingerprint(job)
+    assert fingerprint["stop_column"] == "s" and fingerprint["split"] == "test" and "top_p_column" not in fingerprint
