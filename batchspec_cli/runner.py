@@ -33,6 +33,7 @@ from buckets import settings_hash
 from . import __version__
 from . import drafters
 from . import io as bio
+from . import logprobs as lp
 from . import models
 from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
 from .engine import Engine, EngineConfig, ModelHandle
@@ -93,6 +94,11 @@ class GenerateConfig:
     prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
     id_column: str = setting("id", fingerprint=True, metadata=True)
     dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # What the output holds besides the completions: in the fingerprint and metadata only when asked (see
+    # logprobs_settings), so that the work directories and metadata of jobs without them stay as they were.
+    logprobs: int | None = setting(None)  # each token's log-probability and the top N alternatives
+    logprobs_column: str | None = setting(None)  # per-row N (null: --logprobs)
+    logprobs_mode: str = setting("raw")  # raw | processed (see logprobs.py)
     # How the job runs.
     batch_size: int = setting(8, metadata=True)
     window: int | None = setting(None, metadata=True)  # default 4 x batch size
@@ -197,6 +203,15 @@ class Interrupted:
 
 # Fingerprint keys and how to name them to the user, in the order they are reported.
 FINGERPRINT_LABELS = {s.name: s.label for s in settings() if s.fingerprint} | {"rows": "the number of input rows"}
+LOGPROBS_SETTINGS = {"logprobs": "--logprobs", "logprobs_column": "--logprobs-column", "logprobs_mode": "--logprobs-mode"}
+
+
+def logprobs_settings(cfg: GenerateConfig) -> dict:
+    """The log-probability settings by name, or {} for a job that asks for none (its fingerprint and metadata
+    keep the keys they had before log-probabilities existed)."""
+    if cfg.logprobs is None and cfg.logprobs_column is None:
+        return {}
+    return {name: getattr(cfg, name) for name in LOGPROBS_SETTINGS}
 
 
 def validate(cfg: GenerateConfig) -> None:
@@ -212,6 +227,10 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.kernels in KERNELS, f"--kernels must be one of {', '.join(KERNELS)}, got {cfg.kernels!r}"),
         (cfg.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
         (cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}"),
+        (cfg.logprobs is None or 0 <= cfg.logprobs <= lp.MAX_TOP,
+         f"--logprobs must be between 0 and {lp.MAX_TOP}, got {cfg.logprobs}"),
+        (cfg.logprobs_mode in lp.MODES, f"--logprobs-mode must be one of {', '.join(lp.MODES)}, "
+                                        f"got {cfg.logprobs_mode!r}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
         (cfg.bucket_width is None or cfg.bucket_width >= 1, f"--bucket-width must be positive, got {cfg.bucket_width}"),
@@ -367,7 +386,7 @@ class Generation:
             self._open_bucket_dir()
         fingerprint = self.fingerprint()
         if job is not None:
-            changes = describe_changes(job["fingerprint"], fingerprint, FINGERPRINT_LABELS)
+            changes = describe_changes(job["fingerprint"], fingerprint, FINGERPRINT_LABELS | LOGPROBS_SETTINGS)
             if changes:
                 raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
                                  f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
@@ -410,7 +429,7 @@ class Generation:
         return {**settings_record(self.cfg, "fingerprint", input=self.input_hash, mode=self.mode,
                                   target=model_signature(self.target.name, self.target.source),
                                   draft=model_signature(self.draft.name, self.draft.source) if self.draft else None),
-                "rows": self.total_rows}
+                "rows": self.total_rows, **logprobs_settings(self.cfg)}
 
     def _open_bucket_dir(self) -> None:
         """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
@@ -495,7 +514,8 @@ class Generation:
     def requests(self) -> Iterator[Request]:
         """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _pending."""
         cfg = self.cfg
-        temperature, seed, max_new = (self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens"))
+        temperature, seed, max_new, top_logprobs = (self.overrides.get(name) for name in (
+            "temperature", "seed", "max_new_tokens", "logprobs"))
         skip = set(self.results)
         current = None
         for bucket, batch in iter_bucket_rows(self.bucket_dir, self.manifest):
@@ -524,7 +544,7 @@ class Generation:
                                     top_p=cfg.top_p, seed=_pick(seed, row, cfg.seed))
                 yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
-                              bucket=bucket.index, pad_to=bucket.hi)
+                              bucket=bucket.index, pad_to=bucket.hi, logprobs=_pick(top_logprobs, row, cfg.logprobs))
         self._seal(current)
 
     def _seal(self, bucket: int | None) -> None:
@@ -626,6 +646,8 @@ class Generation:
             "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
             "drafters": (["model"] if self.draft else []) + self.lookup_names,
             "eos_token_ids": self.eos_ids, "resumed_rows": self.resumed_rows,
+            **logprobs_settings(cfg),
+            **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if logprobs_settings(cfg) else {}),
         }
 
     def texts(self, results: list[RowResult]) -> list[str]:
@@ -646,7 +668,8 @@ class Generation:
             raise RuntimeError(f"{missing} rows have no result")
         meta = self.metadata()
         self.work.mark_finishing()
-        bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta)
+        token_text = (lambda token: self.tokenizer.decode([token])) if logprobs_settings(self.cfg) else None
+        bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta, token_text)
         bio.write_stats(self.stats_path, self.stats, meta)
         self.work.remove()
         errors = [r for r in results if r.finish_reason == "error"]
@@ -678,7 +701,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window or 4 * cfg.batch_size,
-                         pad_id=pad_id)
+                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
     checker = StopStrings(tokenizer, cfg.stop) if cfg.stop else None
@@ -696,7 +719,9 @@ OVERRIDES = {  # name -> (config attribute naming the column, type, smallest val
     "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
     "seed": ("seed_column", int, None, "--seed-column"),
     "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
+    "logprobs": ("logprobs_column", int, 0, "--logprobs-column"),
 }
+LARGEST = {"logprobs": lp.MAX_TOP}  # overrides with an upper bound
 
 
 def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
@@ -716,10 +741,12 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and kind is int:
                 ok = float(value).is_integer()
-            if not ok or (smallest is not None and value < smallest):
-                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be a "
-                                     f"{'number' if kind is float else 'integer'}"
-                                     f"{'' if smallest is None else f' >= {smallest:g}'}, got {value!r}")
+            largest = LARGEST.get(name)
+            if not ok or (smallest is not None and value < smallest) or (largest is not None and value > largest):
+                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
+                                     f"{'a number' if kind is float else 'an integer'}"
+                                     f"{'' if smallest is None else f' >= {smallest:g}'}"
+                                     f"{'' if largest is None else f' and <= {largest:g}'}, got {value!r}")
             values.append(kind(value))
         out[name] = values
     return out
