@@ -86,7 +86,6 @@ class Recorder:
             raise ValueError(f"unknown logprobs mode {mode!r}")
         self.mode, self.device = mode, device
         self.rows: dict[int, tuple[int, list[TokenLogprob]]] = {}  # row -> (N, entries so far)
-        self.top = 0  # the top N of the round being committed
 
     def admit(self, requests: list[Request]) -> None:
         for req in requests:
@@ -106,25 +105,26 @@ class Recorder:
         """
         asked = [i for i, r in enumerate(requests) if r.row in self.rows]
         if not asked:
-            self.top = -1
             return None
-        self.top = max(self.rows[requests[i].row][0] for i in asked)
+        top = max(self.rows[requests[i].row][0] for i in asked)
         sampled = [r for r in (requests[i] for i in asked) if not r.sampling.greedy]
         filters = (any(r.sampling.top_k > 0 for r in sampled), any(r.sampling.top_p < 1.0 for r in sampled)) \
             if sampled else None
         index = None if len(asked) == len(requests) else device_tensor(asked, self.device)
         pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
         s, offset = scores(pick(logits), self.mode, pick(temperature), pick(top_k), pick(top_p), filters)
-        packed = pack(s, offset, pick(tokens), self.top)
+        packed = pack(s, offset, pick(tokens), top)
         if index is None:
             return packed
         return packed.new_zeros((len(requests), packed.shape[1])).index_copy(0, index, packed)
 
-    def unpack(self, host: list[list[int]], start: int, n: int) -> RoundLogprobs | None:
-        """The round's values from the commit's host rows (``host[i][start:]``, n positions), or None."""
-        if self.top < 0:
+    @staticmethod
+    def unpack(host: list[list[int]], start: int, n: int) -> RoundLogprobs | None:
+        """The round's values from the commit's host rows (``host[i][start:]``, n positions), or None (none there)."""
+        width = len(host[0]) - start if host else 0
+        if width <= 0:
             return None
-        top = self.top
+        top = (width // n - 1) // 2  # width = n (1 + 2 top)
         bits = torch.tensor([row[start:] for row in host], dtype=torch.int64)  # host memory: no device sync
         values = bits[:, : n * (1 + top)].contiguous().view(torch.float64)
         return RoundLogprobs(values[:, :n].tolist(), values[:, n:].reshape(len(host), n, top).tolist(),
