@@ -43,29 +43,58 @@ DESCRIPTIONS = {
 }
 
 
-def scores(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           filters: tuple[bool, bool] | None) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """(scores [G, n, V], offset [G, n, 1] or 0): log-probabilities are ``scores - offset``.
+def log_probs(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              filters: tuple[bool, bool] | None) -> torch.Tensor:
+    """Log-probabilities [G, n, V] of the mode's distribution.
 
     logits: [G, n, V]; temperature, top_k, top_p: [G] the rows' settings; filters: (any
     top-k, any top-p) among the sampled rows, or None when no row is sampled (processed = raw).
+    Raw: float32 for half and single precision models (CPU's log-softmax kernel is
+    vectorized, unlike its logsumexp); processed: float64, as ``sampling.warp_probs``.
     """
     x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if mode == "raw" or filters is None:
-        return x, torch.logsumexp(x, -1, keepdim=True)  # no [G, n, V] log-softmax written
+        return torch.log_softmax(x, -1)
     raw = torch.log_softmax(x.to(torch.float64), -1)
     warped = sampling.warp_probs(x, temperature, top_k, top_p, filters).log()  # greedy rows: a one-hot
-    return torch.where((temperature <= 0)[:, None, None], raw, warped), 0.0
+    return torch.where((temperature <= 0)[:, None, None], raw, warped)
 
 
-def pack(scores_: torch.Tensor, offset, tokens: torch.Tensor, top: int) -> torch.Tensor:
+_CHUNK = 128
+
+
+def top_n(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(n, dim=-1)`` (values, ids) for x [..., V], without a top-k over the whole vocabulary.
+
+    The n largest entries lie in the n chunks of ``_CHUNK`` columns with the largest maxima
+    (ties aside: another chunk's max would otherwise be an (n+1)-th larger entry), so one
+    max per chunk, a top-k over the chunk maxima and one over the chosen chunks (plus the
+    ragged tail) replace it: on a CPU a top-k over 49152 columns costs more than the log-softmax.
+    """
+    vocab = x.shape[-1]
+    full = vocab // _CHUNK
+    if full <= n:
+        return x.topk(n, dim=-1)
+    blocks = x[..., : full * _CHUNK].unflatten(-1, (full, _CHUNK))  # a view
+    best = blocks.amax(-1).topk(n, dim=-1).indices  # [..., n] the chunks with the n largest maxima
+    candidates = blocks.gather(-2, best[..., None].expand(*best.shape, _CHUNK)).flatten(-2)  # [..., n * CHUNK]
+    ids = (best[..., None] * _CHUNK + torch.arange(_CHUNK, device=x.device)).flatten(-2)
+    if full * _CHUNK < vocab:
+        candidates = torch.cat([candidates, x[..., full * _CHUNK :]], -1)
+        tail = torch.arange(full * _CHUNK, vocab, device=x.device).expand(*x.shape[:-1], -1)
+        ids = torch.cat([ids, tail], -1)
+    values, picked = candidates.topk(n, dim=-1)
+    return values, ids.gather(-1, picked)
+
+
+def pack(logp: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
     """[G, n (1 + 2 top)] int64: the chosen tokens' and the top values (float64 bits), then the top ids.
 
-    scores_: [G, n, V] with ``offset`` as from ``scores``; tokens: [G, n] the round's target tokens.
+    logp: [G, n, V] log-probabilities; tokens: [G, n] the round's target tokens.
     """
-    chosen = scores_.gather(-1, tokens[..., None]) - offset  # [G, n, 1]
-    values, ids = scores_.topk(min(top, scores_.shape[-1]), dim=-1)  # [G, n, top], most probable first
-    values = torch.cat([chosen.flatten(1), (values - offset).flatten(1)], 1).to(torch.float64)
+    chosen = logp.gather(-1, tokens[..., None])  # [G, n, 1]
+    values, ids = top_n(logp, min(top, logp.shape[-1]))  # [G, n, top], most probable first
+    values = torch.cat([chosen.flatten(1), values.flatten(1)], 1).to(torch.float64)
     return torch.cat([values.view(torch.int64), ids.flatten(1)], 1)
 
 
@@ -112,8 +141,8 @@ class Recorder:
             if sampled else None
         index = None if len(asked) == len(requests) else device_tensor(asked, self.device)
         pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
-        s, offset = scores(pick(logits), self.mode, pick(temperature), pick(top_k), pick(top_p), filters)
-        packed = pack(s, offset, pick(tokens), top)
+        logp = log_probs(pick(logits), self.mode, pick(temperature), pick(top_k), pick(top_p), filters)
+        packed = pack(logp, pick(tokens), top)
         if index is None:
             return packed
         return packed.new_zeros((len(requests), packed.shape[1])).index_copy(0, index, packed)

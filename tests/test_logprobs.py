@@ -178,3 +178,20 @@ def test_rows_without_logprobs_are_unchanged(target, draft, prompts, eos_ids):
     without = {e.row: e for e in engine.run(requests) if isinstance(e, RowResult)}
     assert {r: e.token_ids for r, e in with_lp.items()} == {r: e.token_ids for r, e in without.items()}
     assert all(e.logprobs is None for e in without.values())
+
+
+@pytest.mark.parametrize("vocab", [100, 128 * 5, 128 * 40 + 17, 49152])
+def test_top_n_equals_a_topk_over_the_whole_vocabulary(vocab):
+    from batchspec_cli.logprobs import top_n
+
+    generator = torch.Generator().manual_seed(vocab)
+    x = torch.randn(3, 4, vocab, generator=generator, dtype=torch.float64)
+    x[0, 0, 5:] = -math.inf  # a processed distribution with fewer than N tokens left
+    x[1, 2, -3:] += 10.0  # the best in the ragged tail
+    x[2, 1, 128:131] += 10.0  # several of the best in one chunk
+    for n in (0, 1, 5, 20):
+        values, ids = top_n(x, n)
+        expected = x.topk(n, dim=-1)
+        assert torch.equal(values, expected.values)
+        finite = values > -math.inf
+        assert torch.equal(ids[finite], expected.indices[finite])
