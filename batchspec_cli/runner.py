@@ -203,7 +203,8 @@ class Interrupted:
 
 # Fingerprint keys and how to name them to the user, in the order they are reported.
 FINGERPRINT_LABELS = {s.name: s.label for s in settings() if s.fingerprint} | {"rows": "the number of input rows"}
-LOGPROBS_SETTINGS = {"logprobs": "--logprobs", "logprobs_column": "--logprobs-column", "logprobs_mode": "--logprobs-mode"}
+LOGPROBS_SETTINGS = {"logprobs": "--logprobs", "logprobs_column": "--logprobs-column",
+                     "logprobs_mode": "--logprobs-mode"}  # name -> label, as FINGERPRINT_LABELS
 
 
 def logprobs_settings(cfg: GenerateConfig) -> dict:
@@ -544,7 +545,8 @@ class Generation:
                                     top_p=cfg.top_p, seed=_pick(seed, row, cfg.seed))
                 yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
-                              bucket=bucket.index, pad_to=bucket.hi, logprobs=_pick(top_logprobs, row, cfg.logprobs))
+                              bucket=bucket.index, pad_to=bucket.hi,
+                              logprobs=_pick(top_logprobs, row, cfg.logprobs))
         self._seal(current)
 
     def _seal(self, bucket: int | None) -> None:

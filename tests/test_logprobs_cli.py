@@ -129,7 +129,7 @@ def test_bad_logprobs_flags_exit_2(tmp_path, prompts_jsonl, model_dirs, flags, n
 
 def test_a_bad_logprobs_cell_and_a_clashing_column_exit_2(tmp_path, model_dirs):
     inp = tmp_path / "in.jsonl"
-    inp.write_text(json.dumps({"prompt": "a", "lp": 2, "temp": 0}) + "\n" + json.dumps({"prompt": "b", "lp": 21, "temp": 0}) + "\n")
+    inp.write_text("".join(json.dumps({"prompt": p, "lp": n, "temp": 0}) + "\n" for p, n in (("a", 2), ("b", 21))))
     result = generate(inp, tmp_path / "out.parquet", model_dirs, "--logprobs-column", "lp")
     assert result.exit_code == 2 and "row 2: column 'lp' must be an integer >= 0 and <= 20" in result.output
     inp.write_text(json.dumps({"prompt": "a", "temp": 0, "completion_logprobs": 1}) + "\n")
