@@ -120,6 +120,14 @@ def generate(
     top_p_column: Annotated[Optional[str], typer.Option("--top-p-column", help="Per-row top_p column.")] = None,
     stop_column: Annotated[Optional[str], typer.Option("--stop-column", help="Per-row stop strings (a string or "
                                                        "a list of strings), besides --stop.")] = None,
+    logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Store each completion token's "
+                                                    "log-probability and the N most probable tokens (0-20; 0: the "
+                                                    "token's own only) in a completion_logprobs column.")] = None,
+    logprobs_column: Annotated[Optional[str], typer.Option("--logprobs-column", help="Per-row --logprobs N from "
+                                                           "this input column (null: --logprobs).")] = None,
+    logprobs_mode: Annotated[str, typer.Option("--logprobs-mode", help="raw: the target's log-softmax before "
+                                               "temperature/top-k/top-p | processed: after them (the distribution "
+                                               "sampled from).")] = "raw",
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = None,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")] = None,

@@ -43,6 +43,7 @@ from .align import CacheFull, Layout, SlotCache, device_tensor, group_forward, i
 from .align import use_folded_sdpa
 from .control import AutoK, Choice, FixedK, Source
 from .events import Request, RowResult, StepStats
+from .logprobs import Recorder
 from .slots import SlotState
 
 StopChecker = Callable[[list[int], int, tuple[str, ...]], int | None]
@@ -68,6 +69,7 @@ class EngineConfig:
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
     calibrate: bool = True  # auto: time the forwards briefly before the first prefill
+    logprobs_mode: str = "raw"  # the distribution of the rows' log-probabilities (see logprobs.py)
 
 
 @dataclass
@@ -192,6 +194,7 @@ class Engine:
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
         self.pending: Request | None = None  # read from the stream, waiting for the next admission
+        self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
 
     def _caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
         """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
@@ -255,6 +258,7 @@ class Engine:
         self.layout.place(device_tensor(slots, self.device), [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
         st.place(slots, chunk, end, keys, [self._limit(r) for r in chunk], self.device)
+        self.logprobs.admit(chunk)
         for slot in slots:
             st.last_run[slot] = self.step_no
         self.live = sorted(self.live + slots)
@@ -423,6 +427,7 @@ class Engine:
         req = self.state.rows[slot]
         self.state.clear(slot)
         self.live.remove(slot)
+        self.logprobs.pop(req.row)
         for drafter in self.lookups:
             drafter.finish(req.row, [])
         return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
@@ -457,6 +462,8 @@ class Engine:
             logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel, inputs, pad, T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
             target_tokens = self._choose_tokens(logits, sel, noise, 0)  # [G, k+1]
+            logprobs = self.logprobs.device_values([st.rows[s] for s in slots], logits, target_tokens,
+                                                   st.temperature[sel], st.top_k[sel], st.top_p[sel])
             if k:
                 lengths = None if source == "model" else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
@@ -464,7 +471,7 @@ class Engine:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
-            host = self._commit(sel, T, k, draft, n_acc, nxt)  # the round's one host sync
+            host = self._commit(sel, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
         results = self._bookkeep(slots, T, k, draft, host)
         total = time.perf_counter() - started
         verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
@@ -596,8 +603,9 @@ class Engine:
             return torch.nn.functional.pad(logits, (0, extra), value=torch.finfo(logits.dtype).min)
         return logits
 
-    def _commit(self, sel, T: int, k: int, draft: Draft, n_acc: torch.Tensor, nxt: torch.Tensor) -> list[list[int]]:
-        """Write the round's block and advance the rows; returns per row [emitted, kept, code, *block].
+    def _commit(self, sel, T: int, k: int, draft: Draft, n_acc: torch.Tensor, nxt: torch.Tensor,
+                extra: torch.Tensor | None = None) -> list[list[int]]:
+        """Write the round's block and advance the rows; returns per row [emitted, kept, code, *block, *extra].
 
         Tokens kept stop at the first EOS of the set among the committed ones and at the
         row's limit. Everything is computed before the first write.
@@ -611,7 +619,7 @@ class Engine:
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
-        host = torch.cat([torch.stack([emitted, kept, code], 1), block], 1)  # [G, 3 + k+1]
+        host = torch.cat([torch.stack([emitted, kept, code], 1), block] + ([] if extra is None else [extra]), 1)
         self.layout.tokens[sel, T : T + k + 1] = block
         self.layout.end[sel] += emitted
         self.state.gen[sel] += emitted
@@ -621,8 +629,9 @@ class Engine:
                   host: list[list[int]]) -> list[RowResult]:
         """Host side of the commit: mirrors, completions, stop strings, acceptance, finished rows."""
         st, finished = self.state, []
+        logprobs = self.logprobs.unpack(host, 3 + k + 1, k + 1)
         for i, s in enumerate(slots):
-            emitted, kept, code, block = host[i][0], host[i][1], host[i][2], host[i][3:]
+            emitted, kept, code, block = host[i][0], host[i][1], host[i][2], host[i][3 : 3 + k + 1]
             st.end[s] += emitted  # before any stop-string cut: the layout's end on the device
             st.last_run[s] = self.step_no + 1
             if draft.source == "model":
@@ -640,6 +649,7 @@ class Engine:
                     del ids[cut:]
                     code = _STOP_STRING
             host[i][0], host[i][1] = emitted, kept
+            self.logprobs.record(row, logprobs, i, block[:emitted])
             if draft.lengths[i]:
                 self.policy.acceptance.observe((draft.sources[i], row), draft.lengths[i], kept)
             st.drafted[s] += draft.lengths[i]
@@ -654,7 +664,7 @@ class Engine:
         req, ids = st.rows[slot], st.ids[slot]
         result = RowResult(req.row, req.id, list(ids), reason, drafted_tokens=st.drafted[slot],
                            accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
-                           prompt_tokens=len(req.prompt_ids))
+                           prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
         st.clear(slot)
         self.live.remove(slot)
         for drafter in self.lookups:

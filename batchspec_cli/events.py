@@ -42,17 +42,23 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     bucket: int = 0
     pad_to: int = 0  # left-pad the prompt to this length at admission (bucket's longest)
-    logprobs: int | None = None  # None: none wanted; 0: the chosen token's; N >= 1: also the top N (N <= 20)
+    logprobs: int | None = None  # None: none wanted; N >= 0: each token's log-probability and the top N (<= 20)
     stop: tuple[str, ...] = ()  # the row's own stop strings, in addition to the job's --stop
 
 
 @dataclass
 class TokenLogprob:
-    """One completion token's log-probability under the target, and the top alternatives."""
+    """One completion token's log-probability under the target, and the target's top alternatives."""
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # [N] (token id, logprob), sorted by logprob descending; empty for N = 0
+    top: list[tuple[int, float]] = field(default_factory=list)  # [N] (token id, logprob), most probable first
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TokenLogprob":
+        """From its ``dataclasses.asdict`` form as stored in a table (``top`` as (id, logprob) structs)."""
+        return cls(record["token_id"], record["logprob"],
+                   [(t["token_id"], t["logprob"]) if isinstance(t, dict) else tuple(t) for t in record["top"]])
 
 
 @dataclass
@@ -68,6 +74,7 @@ class RowResult:
     accepted_tokens: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # [len(token_ids)] when the request asked for them
 
 
 @dataclass

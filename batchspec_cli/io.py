@@ -20,12 +20,12 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchspec_cli.events import RowResult, StepStats
+from batchspec_cli.events import RowResult, StepStats, TokenLogprob
 
 
 class InputError(Exception):
@@ -50,6 +50,8 @@ OUTPUT_COLUMNS: tuple[str, ...] = (
     "rounds",
     "completion_token_ids",
 )
+LOGPROBS_COLUMN = "completion_logprobs"  # written only by a job that asks for log-probabilities
+EXTRA_OUTPUT_COLUMNS: tuple[str, ...] = (LOGPROBS_COLUMN,)  # input columns may not take these names either
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -135,7 +137,7 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
             f"{path}: no id column '{id_column}'; columns are: " + ", ".join(repr(n) for n in names)
         )
     for name in names:
-        if name in OUTPUT_COLUMNS and not (name == "id" and id_column == "id"):
+        if name in OUTPUT_COLUMNS + EXTRA_OUTPUT_COLUMNS and not (name == "id" and id_column == "id"):
             raise InputError(
                 f"{path}: input column '{name}' clashes with an output column; rename it"
             )
@@ -384,13 +386,15 @@ def stats_path_for(out: Path) -> Path:
 
 
 def write_completions(
-    out: Path, inp: InputTable, results: list[RowResult], texts: list[str], metadata: dict
+    out: Path, inp: InputTable, results: list[RowResult], texts: list[str], metadata: dict,
+    token_text: Callable[[int], str] | None = None,
 ) -> None:
     """Write one row per input row, in input order; `texts[i]` is the text of `results[i]`.
 
     Input columns pass through in place; an input `id` column (necessarily the id column,
     read_input refuses other clashes) is replaced in place by the string ids, otherwise
-    `id` is appended after the input columns. The output columns follow.
+    `id` is appended after the input columns. The output columns follow, then
+    `completion_logprobs` when `token_text` (a token id's text) is given.
     """
     n = inp.table.num_rows
     if len(texts) != len(results):
@@ -405,7 +409,7 @@ def write_completions(
     missing = [i for i, r in enumerate(by_row) if r is None]
     if missing:
         raise RuntimeError(f"no result for rows {missing[:10]}")
-    clashes = [c for c in inp.table.column_names if c in OUTPUT_COLUMNS and c != "id"]
+    clashes = [c for c in inp.table.column_names if c in OUTPUT_COLUMNS + EXTRA_OUTPUT_COLUMNS and c != "id"]
     if clashes:
         raise RuntimeError(f"input columns clash with output columns: {clashes}")
 
@@ -427,8 +431,32 @@ def write_completions(
     columns["completion_token_ids"] = pa.array(
         [[int(t) for t in r.token_ids] for r in rs], type=pa.list_(pa.int32())
     )
+    if token_text is not None:
+        columns[LOGPROBS_COLUMN] = logprobs_array(rs, token_text)
     table = pa.table(columns)
     _write_atomic(Path(out), table, metadata)
+
+
+_TOP_LOGPROB = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
+LOGPROBS_TYPE = pa.list_(pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64()),
+                                    ("top_logprobs", pa.list_(_TOP_LOGPROB))]))
+
+
+def logprobs_array(results: list[RowResult], token_text: Callable[[int], str]) -> pa.Array:
+    """The `completion_logprobs` column: per row, one struct per completion token (null: not asked)."""
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = token_text(token)
+        return texts[token]
+
+    def entry(e: TokenLogprob) -> dict:
+        return {"token": text(e.token_id), "token_id": e.token_id, "logprob": e.logprob,
+                "top_logprobs": [{"token": text(t), "token_id": t, "logprob": v} for t, v in e.top]}
+
+    return pa.array([None if r.logprobs is None else [entry(e) for e in r.logprobs] for r in results],
+                    type=LOGPROBS_TYPE)
 
 
 # Arrow types of RowResult / StepStats fields, from their annotations; KV counts may exceed int32.
@@ -442,7 +470,9 @@ _ANNOTATION_TYPES = {
 }
 _TYPE_OVERRIDES = {
     StepStats: {"kv_moved": pa.int64(), "kv_gathered": pa.int64()},
-    RowResult: {"row": pa.int64()},
+    RowResult: {"row": pa.int64(), "logprobs": pa.list_(pa.struct([
+        ("token_id", pa.int64()), ("logprob", pa.float64()),
+        ("top", pa.list_(pa.struct([("token_id", pa.int64()), ("logprob", pa.float64())])))]))},
 }
 
 
@@ -482,7 +512,11 @@ def _from_table(cls, table: pa.Table) -> list:
 
 
 def results_from_table(table: pa.Table) -> list[RowResult]:
-    return _from_table(RowResult, table)
+    results = _from_table(RowResult, table)
+    for r in results:
+        if r.logprobs is not None:
+            r.logprobs = [TokenLogprob.from_record(e) for e in r.logprobs]
+    return results
 
 
 def stats_from_table(table: pa.Table) -> list[StepStats]:

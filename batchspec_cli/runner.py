@@ -33,6 +33,7 @@ from buckets import settings_hash
 from . import __version__
 from . import drafters
 from . import io as bio
+from . import logprobs as lp
 from . import models
 from . import openai_batch
 from . import sources
@@ -103,6 +104,10 @@ class GenerateConfig:
     prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
     id_column: str = setting("id", fingerprint=True, metadata=True)
     dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # What the output holds besides the completions.
+    logprobs: int | None = setting(None, fingerprint=True, metadata=True, recent=True)  # the top N alternatives too
+    logprobs_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # per-row N
+    logprobs_mode: str = setting("raw", fingerprint=True, metadata=True, recent=True)  # raw | processed (logprobs.py)
     # How the job runs.
     batch_size: int = setting(8, metadata=True)
     window: int | None = setting(None, metadata=True)  # default 4 x batch size
@@ -229,6 +234,10 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.output_format in sources.OUTPUT_FORMATS,
          f"--output-format must be one of {', '.join(sources.OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
         (cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}"),
+        (cfg.logprobs is None or 0 <= cfg.logprobs <= lp.MAX_TOP,
+         f"--logprobs must be between 0 and {lp.MAX_TOP}, got {cfg.logprobs}"),
+        (cfg.logprobs_mode in lp.MODES, f"--logprobs-mode must be one of {', '.join(lp.MODES)}, "
+                                        f"got {cfg.logprobs_mode!r}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
         (cfg.bucket_width is None or cfg.bucket_width >= 1, f"--bucket-width must be positive, got {cfg.bucket_width}"),
@@ -549,7 +558,7 @@ class Generation:
                                     top_p=_pick(top_p, row, cfg.top_p), seed=_pick(seed, row, cfg.seed))
                 yield Request(row=row, id=self.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=_pick(max_new, row, cfg.max_new_tokens), sampling=sampling,
-                              bucket=bucket.index, pad_to=bucket.hi, logprobs=_pick(logprobs, row, None),
+                              bucket=bucket.index, pad_to=bucket.hi, logprobs=_pick(logprobs, row, cfg.logprobs),
                               stop=_pick(stops, row, ()))
         self._seal(current)
 
@@ -652,7 +661,13 @@ class Generation:
             "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
             "drafters": (["model"] if self.draft else []) + self.lookup_names,
             "eos_token_ids": self.eos_ids, "resumed_rows": self.resumed_rows,
+            **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if self.wants_logprobs else {}),
         }
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether any row asks for log-probabilities (--logprobs, --logprobs-column or an OpenAI request)."""
+        return self.cfg.logprobs is not None or any(v is not None for v in self.overrides.get("logprobs") or ())
 
     def texts(self, results: list[RowResult]) -> list[str]:
         out = []
@@ -673,11 +688,12 @@ class Generation:
             raise RuntimeError(f"{missing} rows have no result")
         meta = self.metadata()
         self.work.mark_finishing()
+        token_text = (lambda token: self.tokenizer.decode([token])) if self.wants_logprobs else None
         if self.output_format == "openai":
             openai_batch.write_output(self.cfg.output, self.inp, results, self.texts(results), self.tokenizer,
                                       model=self.target_name, chat=self.cfg.chat, salt=self.input_hash)
         else:
-            bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta)
+            bio.write_completions(self.cfg.output, self.inp, results, self.texts(results), meta, token_text)
         bio.write_stats(self.stats_path, self.stats, meta)
         self.work.remove()
         errors = [r for r in results if r.finish_reason == "error"]
@@ -709,7 +725,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window or 4 * cfg.batch_size,
-                         pad_id=pad_id)
+                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
@@ -728,7 +744,9 @@ OVERRIDES = {  # name -> (config attribute naming the column, type, smallest val
     "seed": ("seed_column", int, None, "--seed-column"),
     "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
     "top_p": ("top_p_column", float, 0.0, "--top-p-column"),  # in (0, 1]: 0 itself is refused below
+    "logprobs": ("logprobs_column", int, 0, "--logprobs-column"),
 }
+LARGEST = {"logprobs": lp.MAX_TOP}  # overrides with an upper bound
 
 
 def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
@@ -749,10 +767,13 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if ok and kind is int:
                 ok = float(value).is_integer()
-            if not ok or (smallest is not None and value < smallest) or (name == "top_p" and not 0 < value <= 1):
-                bound = " in (0, 1]" if name == "top_p" else "" if smallest is None else f" >= {smallest:g}"
-                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be a "
-                                     f"{'number' if kind is float else 'integer'}{bound}, got {value!r}")
+            largest = LARGEST.get(name)
+            if not ok or (smallest is not None and value < smallest) or (largest is not None and value > largest) \
+                    or (name == "top_p" and not 0 < value <= 1):
+                bound = (" in (0, 1]" if name == "top_p" else
+                         f"{'' if smallest is None else f' >= {smallest:g}'}{'' if largest is None else f' and <= {largest:g}'}")
+                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
+                                     f"{'a number' if kind is float else 'an integer'}{bound}, got {value!r}")
             values.append(kind(value))
         out[name] = values
     if cfg.stop_column is not None:

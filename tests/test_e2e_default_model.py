@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -54,3 +55,35 @@ def test_default_mode_on_24_sample_prompts_equals_per_prompt_decoding_at_two_bat
     same = sum(a["completion_token_ids"] == b["completion_token_ids"] for a, b in zip(outputs[4], outputs[16]))
     assert same >= 22, f"only {same} of 24 rows agree between batch sizes (float32 near-ties aside)"
     assert sum(len(r["completion_token_ids"]) for r in outputs[4]) > 24 * 20  # real completions, not empty rows
+
+
+def test_logprobs_5_on_12_prompts_match_a_per_prompt_plain_forward_within_1e_4(tmp_path):
+    """`--logprobs 5`, default mode and drafters: every token's log-probability and its top 5 equal those of one
+    plain forward of the target over that prompt and completion alone (float32: within 1e-4)."""
+    torch.set_num_threads(1)
+    loaded = load_model(None, quiet=True)
+    out = tmp_path / "lp.parquet"
+    result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "12", "--max-new-tokens", "32",
+                                 "--logprobs", "5", "--quiet"])
+    assert result.exit_code == 0, result.output
+    tok, model = loaded.tokenizer, loaded.model
+    prompts = [json.loads(line)["prompt"] for line in SAMPLE.read_text().splitlines()[:12]]
+    worst, tokens = 0.0, 0
+    for prompt, row in zip(prompts, pq.read_table(out).to_pylist()):
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        completion = row["completion_token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + completion])).logits[0, len(ids) - 1 : len(ids) - 1 + len(completion)]
+        ref = torch.log_softmax(logits.double(), -1)
+        assert len(row["completion_logprobs"]) == len(completion) > 0
+        for j, (entry, token) in enumerate(zip(row["completion_logprobs"], completion)):
+            values, best = ref[j].topk(5)
+            listed = [t["logprob"] for t in entry["top_logprobs"]]
+            worst = max(worst, abs(entry["logprob"] - float(ref[j, token])),
+                        *(abs(v - float(e)) for v, e in zip(listed, values)),  # rank by rank
+                        *(abs(t["logprob"] - float(ref[j, t["token_id"]])) for t in entry["top_logprobs"]))
+            assert len(listed) == 5 and entry["token_id"] == token
+            tokens += 1
+    assert worst < 1e-4, worst
+    assert tokens > 12 * 20

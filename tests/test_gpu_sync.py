@@ -31,11 +31,13 @@ def models():
     return target.cuda(), draft.cuda()
 
 
-def syncs_in_first_round(target, draft, mode: str, settings: Sampling) -> tuple[int, StepStats, list[str]]:
+def syncs_in_first_round(target, draft, mode: str, settings: Sampling,
+                         logprobs: str | None = None) -> tuple[int, StepStats, list[str]]:
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1],
-                    EngineConfig(mode=mode, k=3, batch_size=BATCH, window=4 * BATCH))
+                    EngineConfig(mode=mode, k=3, batch_size=BATCH, window=4 * BATCH, logprobs_mode=logprobs or "raw"))
     prompts = [[5 + i, 17, 33 + i, 40, 8 + 2 * i, 61] for i in range(BATCH)]  # one bucket, one admission
-    requests = [Request(row=i, id=f"row-{i}", prompt_ids=p, max_new_tokens=16, sampling=settings)
+    requests = [Request(row=i, id=f"row-{i}", prompt_ids=p, max_new_tokens=16, sampling=settings,
+                        logprobs=[5, None, 0, 20][i % 4] if logprobs else None)  # some rows ask, some do not
                 for i, p in enumerate(prompts)]
     events = engine.run(requests)
     for event in events:  # up to the first prefill's stats (admission and calibration may sync freely)
@@ -59,8 +61,9 @@ def syncs_in_first_round(target, draft, mode: str, settings: Sampling) -> tuple[
 
 @pytest.mark.parametrize("mode", ["ar", "eqspec", "exspec", "auto"])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_one_round_syncs_at_most_once(models, mode, sampled):
+@pytest.mark.parametrize("logprobs", [None, "raw", "processed"])
+def test_one_round_syncs_at_most_once(models, mode, sampled, logprobs):
     settings = Sampling(temperature=0.9, top_k=20, top_p=0.95, seed=7) if sampled else Sampling()
-    count, event, messages = syncs_in_first_round(*models, mode, settings)
+    count, event, messages = syncs_in_first_round(*models, mode, settings, logprobs)
     assert isinstance(event, StepStats) and event.group_kind != "prefill", event
     assert count <= 1, f"{mode}: {count} synchronizing operations in one round (k={event.k}): {messages}"

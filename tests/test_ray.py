@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 N_ROWS = 30
 BAD_ROW = 7  # its prompt is longer than the tiny models' context (512): an error row, from a worker
 WORDS = "the quick brown fox jumps over a lazy dog by the sea; tell me a story, write a haiku".split()
-SAMPLED = ("--temperature", "0.8", "--seed", "1")
+SAMPLED = ("--temperature", "0.8", "--seed", "1", "--logprobs", "2")  # and log-probabilities, from the workers too
 RAY = ("--ray", "--ray-workers", "2", "--ray-block-rows", "3")
 
 
@@ -116,9 +116,19 @@ def generate(inp, out, *args):
 
 
 def same_rows(a, b) -> bool:
-    """Equal tables but for the speculation counters: auto's k follows measured step times."""
-    timing_dependent = ["drafted_tokens", "accepted_tokens", "rounds"]
-    return a.drop_columns(timing_dependent).equals(b.drop_columns(timing_dependent))
+    """Equal tables but for the speculation counters (auto's k follows measured step times) and the
+    log-probabilities' last bits (another group, another float rounding): equal token ids, values to 1e-10."""
+    timing_dependent = ["drafted_tokens", "accepted_tokens", "rounds", "completion_logprobs"]
+    if "completion_logprobs" in a.column_names:
+        for x, y in zip(a.column("completion_logprobs").to_pylist(), b.column("completion_logprobs").to_pylist()):
+            if (x is None) != (y is None) or len(x or []) != len(y or []):
+                return False
+            for e, f in zip(x or [], y or []):
+                if [t["token_id"] for t in e["top_logprobs"]] != [t["token_id"] for t in f["top_logprobs"]] or \
+                        abs(e["logprob"] - f["logprob"]) > 1e-10:
+                    return False
+    return a.drop_columns([c for c in timing_dependent if c in a.column_names]).equals(
+        b.drop_columns([c for c in timing_dependent if c in b.column_names]))
 
 
 def log_events(path: Path) -> list[dict]:
@@ -146,6 +156,9 @@ def test_ray_output_equals_the_single_process_output(runs, name):
     assert b.column("id").to_pylist() == [f"r{i}" for i in range(N_ROWS)]  # every row once, input order
     assert a.schema.equals(b.schema, check_metadata=True)  # same columns, same run configuration
     assert same_rows(a, b)
+    if name == "sampled":
+        assert all(len(lp) == n for lp, n in zip(b.column("completion_logprobs").to_pylist(),
+                                                 b.column("completion_tokens").to_pylist()) if lp is not None)
     sa = pq.read_table(single.with_name(single.stem + ".stats.parquet"))
     sb = pq.read_table(distributed.with_name(distributed.stem + ".stats.parquet"))
     assert sa.schema.equals(sb.schema, check_metadata=True)

@@ -63,7 +63,8 @@ OLD_LABELS = {
 }
 
 
-RECENT = {"input_format", "split", "config", "top_p_column", "stop_column"}  # recent=True: newer than OLD_LABELS
+RECENT = {"input_format", "split", "config", "top_p_column", "stop_column", "logprobs", "logprobs_column",
+          "logprobs_mode"}  # recent=True: newer than OLD_LABELS
 
 
 def test_fingerprint_labels_are_unchanged_in_order():
@@ -83,7 +84,7 @@ def a_job(draft: bool) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
-                           eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"])
+                           eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False)
 
 
 def old_fingerprint(job) -> dict:
