@@ -16,6 +16,12 @@ parts after them; ``OUT`` is assembled from all parts at the end, then the work 
 is removed. Parts are independent: a part that cannot be read is dropped and its rows are
 simply generated again.
 
+Nothing here follows a symbolic link or deletes what it did not make: the work directory
+must be a real directory owned by the running user, its files are opened ``O_NOFOLLOW``
+and created ``O_EXCL``, and a link, a foreign owner or an entry of the wrong kind is a
+``CheckpointError`` naming the path (exit 2). Only the names listed above (and this
+tool's temporary names) are ever removed.
+
 The lock is created with ``O_EXCL``. A lock whose process is gone (``os.kill(pid, 0)``
 fails, the machine rebooted since, or the pid now names a younger process) is stale and
 is taken over; a live one is refused with ``LockHeld``. Nothing here prints.

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from .checkpoint import CheckpointError
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .io import InputError, check_distinct, one_line, stats_path_for
@@ -33,7 +34,6 @@ err = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE, EXIT_ROW_ERRORS = 2, 3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # exit 128 + signal number: 130, 143
-EXIT_SIGINT = 128 + signal.SIGINT
 
 
 @app.callback()
@@ -142,14 +142,16 @@ def generate(
         raise fail(f"--log-json {log_json}: cannot open for writing ({exc.strerror or exc})") from None
     with log:
         try:
-            job = Generation.open(cfg)
+            with _raise_on_signals():
+                job = Generation.open(cfg)
         except UsageError as exc:
             log.write("error", message=str(exc), exit_code=EXIT_USAGE)
             raise fail(str(exc)) from None
-        except KeyboardInterrupt:  # Ctrl-C while the input is read or the models load: nothing is saved yet
-            log.write("interrupted", signal="SIGINT", rows_saved=0, total_rows=None, exit_code=EXIT_SIGINT)
+        except (KeyboardInterrupt, StopNow) as exc:  # while the input is read or the models load: nothing saved yet
+            code = 128 + getattr(exc, "signum", signal.SIGINT)
+            log.write("interrupted", signal=_signal_name(code - 128), rows_saved=0, total_rows=None, exit_code=code)
             err.print("interrupted before any row was generated; nothing was written", highlight=False)
-            raise typer.Exit(code=EXIT_SIGINT) from None
+            raise typer.Exit(code=code) from None
         with job, contextlib.ExitStack() as stack:
             executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
             code = _run(job, out, log, quiet, executor)
@@ -184,6 +186,25 @@ class StopNow(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+@contextlib.contextmanager
+def _raise_on_signals():
+    """SIGINT / SIGTERM raise StopNow (the job is not running yet: there is nothing to finish first)."""
+    def handler(signum, frame):
+        raise StopNow(signum)
+
+    previous = {}
+    try:
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread: the caller owns signals
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 @contextlib.contextmanager
@@ -241,7 +262,6 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                         TextColumn("acc {task.fields[acc]}"), TextColumn("k {task.fields[k]}"), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), console=out, disable=quiet, transient=False)
     stopped: Interrupted | None = None
-    summary = None
     events = job.events(run=executor.run if executor is not None else None)
     try:
         with progress, _stop_on_signals(job):
@@ -287,10 +307,11 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
                               signal=getattr(exc, "signum", signal.SIGINT))
-    except OSError as exc:  # the machine (a full disk, a read-only filesystem): one line, rows kept (exit 1)
+    except (OSError, CheckpointError) as exc:  # the machine (a full disk) or a tampered work directory: one line
         events.close()
-        log.write("failed", error=os_error_message(exc), rows_saved=job.saved_rows, total_rows=total, exit_code=1)
-        err.print(f"[bold red]error:[/] {escape(os_error_message(exc))}; {job.saved_rows} of {total} rows saved; "
+        message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
+        log.write("failed", error=message, rows_saved=job.saved_rows, total_rows=total, exit_code=1)
+        err.print(f"[bold red]error:[/] {escape(message)}; {job.saved_rows} of {total} rows saved; "
                   f"rerun the same command to resume", highlight=False)
         return 1
     except Exception as exc:  # a bug: say what is kept, then show the traceback (exit 1)

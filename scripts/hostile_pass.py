@@ -159,8 +159,8 @@ class Pass:
         code, err, _, _ = run(["generate", inp, out, *self.base], signals=signals, ready=ready)
         first = code
         problems = ["traceback"] if "Traceback" in err else []
-        for _ in range(3):
-            if out.exists():
+        for _ in range(3):  # rerun the same command until it succeeds (a finished run's OUT is kept as it is)
+            if code == 0 and not work.exists():
                 break
             code, err2, _, _ = run(["generate", inp, out, *self.base])
             problems += ["traceback on rerun"] if "Traceback" in err2 else []

@@ -171,14 +171,18 @@ def test_planted_temporary_file_link_is_never_written_through(tmp_path, job_dir,
     inp, out = job_dir
     victim = tmp_path / "victim.txt"
     victim.write_text("keep me")
-    names = iter(["deadbeef"] * 3)
-    real = bio.secrets.token_hex
-    monkeypatch.setattr(bio.secrets, "token_hex", lambda n: next(names, None) or real(n))
     planted = tmp_path / f".out.parquet.{os.getpid()}.deadbeef.tmp"
     planted.symlink_to(victim)
+    real, picked = bio.temp_path, []
+
+    def first_pick_is_planted(target, kind="tmp"):
+        picked.append(Path(target) == out and kind == "tmp" and not picked.count(True))
+        return planted if picked[-1] else real(target, kind)
+
+    monkeypatch.setattr(bio, "temp_path", first_pick_is_planted)
     result = generate(inp, out, model)
     assert result.exit_code == 0, result.output
-    assert victim.read_text() == "keep me" and planted.is_symlink() and rows(out) == reference
+    assert any(picked) and victim.read_text() == "keep me" and planted.is_symlink() and rows(out) == reference
 
 
 @pytest.mark.parametrize("kind", ["work dir is a file", "lock is a directory", "foreign owner"])
@@ -459,3 +463,23 @@ def test_ctrl_c_while_starting_is_the_interrupt_exit_code_without_a_traceback(tm
         assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
         if not out.exists():
             assert not work_dir_for(out).exists() or (work_dir_for(out) / "job.json").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_models_load_stops_at_once_with_nothing_left(tmp_path, job_dir, model, monkeypatch,
+                                                                        reference, sig):
+    from batchspec_cli import models
+
+    inp, out = job_dir
+    real = models.load_model
+
+    def load_under_signal(*args, **kwargs):
+        os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(models, "load_model", load_under_signal)
+    result = generate(inp, out, model)
+    monkeypatch.setattr(models, "load_model", real)
+    assert result.exit_code == 128 + sig and "Traceback" not in result.output, result.output
+    assert "nothing was written" in result.output and entries(tmp_path) == {"in.jsonl"}
+    assert generate(inp, out, model).exit_code == 0 and rows(out) == reference
