@@ -159,7 +159,9 @@ class Pass:
         code, err, _, _ = run(["generate", inp, out, *self.base], signals=signals, ready=ready)
         first = code
         problems = ["traceback"] if "Traceback" in err else []
-        for _ in range(3):  # rerun the same command until it succeeds (a finished run's OUT is kept as it is)
+        if out.exists() and not work.exists():
+            code = 0  # the signal came after the run had finished: OUT is complete (a rerun would be refused)
+        for _ in range(3):  # rerun the same command until it succeeds
             if code == 0 and not work.exists():
                 break
             code, err2, _, _ = run(["generate", inp, out, *self.base])
