@@ -16,6 +16,12 @@ parts after them; ``OUT`` is assembled from all parts at the end, then the work 
 is removed. Parts are independent: a part that cannot be read is dropped and its rows are
 simply generated again.
 
+Nothing here follows a symbolic link or deletes what it did not make: the work directory
+must be a real directory owned by the running user, its files are opened ``O_NOFOLLOW``
+and created ``O_EXCL``, and a link, a foreign owner or an entry of the wrong kind is a
+``CheckpointError`` naming the path (exit 2). Only the names listed above (and this
+tool's temporary names) are ever removed.
+
 The lock is created with ``O_EXCL``. A lock whose process is gone (``os.kill(pid, 0)``
 fails, the machine rebooted since, or the pid now names a younger process) is stale and
 is taken over; a live one is refused with ``LockHeld``. Nothing here prints.
@@ -23,11 +29,14 @@ is taken over; a live one is refused with ``LockHeld``. Nothing here prints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,34 +84,48 @@ class WorkDir:
     # ------------------------------------------------------------------ lock
     def lock(self) -> None:
         """Become the one writer of this work directory, or raise LockHeld / CheckpointError."""
+        created = False
         for _ in range(5):
             try:
-                if not self.path.is_dir():
-                    self.path.mkdir(parents=True, exist_ok=True)
+                if not os.path.lexists(self.path):
+                    self.path.mkdir()
+                    created = True
                     bio.fsync_directory(self.path.parent)  # the work directory itself survives a power loss
-                fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                check_own_directory(self.path)
+                fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
-                self._take_over_if_stale()
-                continue
+                if os.path.lexists(self.lock_path):
+                    self._take_over_if_stale()
+                continue  # (or another run made the directory first)
             except FileNotFoundError:  # the directory vanished under us (a finishing writer): retry
                 continue
             except OSError as exc:
                 raise CheckpointError(f"cannot create the lock {self.lock_path} ({exc.strerror or exc})") from None
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps(_own_lock_info()) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            bio.fsync_directory(self.path)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(_own_lock_info()) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                bio.fsync_directory(self.path)
+            except OSError as exc:  # a full disk: the lock is ours, and useless
+                self.lock_path.unlink(missing_ok=True)
+                if created:
+                    with contextlib.suppress(OSError):
+                        self.path.rmdir()
+                raise CheckpointError(f"cannot write the lock {self.lock_path} ({exc.strerror or exc})") from None
             self.locked = True
             return
         raise LockHeld(f"could not take the lock {self.lock_path}: other processes keep taking it", None)
 
     def _take_over_if_stale(self) -> None:
         try:
-            raw = self.lock_path.read_bytes()
+            check_own_file(self.lock_path, "the lock")
+            raw = _read_no_follow(self.lock_path)
             age = time.time() - self.lock_path.stat().st_mtime
         except FileNotFoundError:
             return  # released meanwhile: retry
+        except OSError as exc:
+            raise CheckpointError(f"cannot read the lock {self.lock_path} ({exc.strerror or exc})") from None
         info = _parse_lock(raw)
         if info is None:
             if age < _UNREADABLE_LOCK_GRACE_S:
@@ -115,7 +138,7 @@ class WorkDir:
             os.rename(self.lock_path, aside)
         except FileNotFoundError:
             return
-        if aside.read_bytes() != raw:  # a new owner replaced it between our read and rename: give it back
+        if _read_no_follow(aside) != raw:  # a new owner replaced it between our read and rename: give it back
             try:
                 os.link(aside, self.lock_path)
             except FileExistsError:
@@ -134,7 +157,9 @@ class WorkDir:
     def read_job(self) -> dict | None:
         """The job.json of an earlier run, None when there is none; CheckpointError if unreadable."""
         try:
-            body = json.loads(self.job_path.read_text(encoding="utf-8"))
+            if os.path.lexists(self.job_path):
+                check_own_file(self.job_path, "the job file")
+            body = json.loads(_read_no_follow(self.job_path).decode("utf-8"))
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -156,33 +181,55 @@ class WorkDir:
             self._write_job({**job, "finishing": True})
 
     def _write_job(self, body: dict) -> None:
-        tmp = self.path / f".{JOB_NAME}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.job_path)
+        check_own_directory(self.path)
+        tmp, fd = bio.create_temp(self.job_path, mode=0o644)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.job_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         bio.fsync_directory(self.path)
 
     def clear(self) -> None:
-        """Remove everything but the lock: the start of a new job."""
-        for entry in self.path.iterdir():
-            if entry.name == LOCK_NAME:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+        """Remove this tool's entries but the lock: the start of a new job."""
+        self._remove_own_entries()
         self._next_part = 1
 
     def remove(self) -> None:
-        """Delete the whole work directory (the job is complete); the lock goes with it."""
-        if not self.path.exists():
+        """Delete the whole work directory (the job is complete); the lock goes last.
+
+        Only entries this tool makes are deleted; a directory still holding anything else is left."""
+        if not os.path.lexists(self.path):
             return
-        gone = self.path.parent / f"{self.path.name}.done-{secrets.token_hex(4)}"
-        os.rename(self.path, gone)  # disappears at once for any other process
-        shutil.rmtree(gone, ignore_errors=True)
-        self.locked = False
+        check_own_directory(self.path)
+        self._remove_own_entries()
+        if self.locked:
+            self.lock_path.unlink(missing_ok=True)
+            self.locked = False
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass  # another run took it meanwhile, or something else lives there: not ours to delete
+        bio.fsync_directory(self.path.parent)
+
+    def _remove_own_entries(self) -> None:
+        """Delete job.json, parts/, buckets/ and the temporary files this tool leaves in the work directory."""
+        check_own_directory(self.path)
+        own = sorted((e for e in os.scandir(self.path) if _is_own_entry(e.name)), key=lambda e: e.name != JOB_NAME)
+        for entry in own:  # refuse before deleting anything
+            if entry.is_dir(follow_symlinks=False):
+                _refuse_links_in(Path(entry.path))
+            else:
+                check_own_file(Path(entry.path), "an entry of the work directory")
+        for entry in own:  # job.json first: from then on the job is no longer resumable
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)  # never follows symbolic links
+            else:
+                os.unlink(entry.path)
 
     # ------------------------------------------------------------------ parts
     def load(self) -> Saved:
@@ -191,13 +238,19 @@ class WorkDir:
         stats: list[StepStats] = []
         dropped: list[str] = []
         numbers = []
-        if self.parts.is_dir():
+        check_own_directory(self.path)
+        if os.path.lexists(self.buckets):
+            check_own_directory(self.buckets)
+            _refuse_links_in(self.buckets)
+        if os.path.lexists(self.parts):
+            check_own_directory(self.parts)
             for path in sorted(self.parts.iterdir()):
-                if path.name.startswith("."):  # a temporary file of an interrupted write
-                    path.unlink(missing_ok=True)
-                    continue
                 number, kind = _part_name(path.name)
-                if number is None:
+                if number is None and not path.name.startswith("."):
+                    continue
+                check_own_file(path, "a checkpoint part")
+                if number is None:  # a temporary file of an interrupted write
+                    path.unlink(missing_ok=True)
                     continue
                 numbers.append(number)
                 try:
@@ -216,15 +269,70 @@ class WorkDir:
         """Durably record finished rows and statistics as the next part."""
         if not results and not stats:
             return
-        if not self.parts.is_dir():
+        if not os.path.lexists(self.parts):
             self.parts.mkdir(exist_ok=True)
             bio.fsync_directory(self.path)
+        check_own_directory(self.parts)
         number, self._next_part = self._next_part, self._next_part + 1
         # Statistics first: a rows part on disk always has its statistics beside it.
         if stats:
             bio.write_table_atomic(self.parts / f"part-{number:06d}.stats.parquet", bio.stats_table(stats))
         if results:
             bio.write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", bio.results_table(results))
+
+
+_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
+                        rf"|\.{LOCK_NAME}\.stale-.+|\.{BUCKETS_NAME}\.(tmp|old)-.+)")
+
+
+def _is_own_entry(name: str) -> bool:
+    """Is this a name this tool gives an entry of the work directory (the lock aside)?"""
+    return _OWN_ENTRY.fullmatch(name) is not None
+
+
+def check_own_directory(path: Path) -> None:
+    """`path` is a real directory (not a symbolic link) owned by the running user, or CheckpointError."""
+    info = _lstat(path, "the work directory")
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(f"{path} is a symbolic link; this tool never follows one for its work directory: "
+                              f"remove the link")
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointError(f"{path} exists and is not a directory; move it away (it is where this tool keeps "
+                              f"the work of a run)")
+    if info.st_uid != os.geteuid():
+        raise CheckpointError(f"{path} belongs to another user (uid {info.st_uid}); refusing to use it")
+
+
+def check_own_file(path: Path, what: str) -> None:
+    """`path` is a regular file (not a symbolic link, not a directory), or CheckpointError naming it."""
+    info = _lstat(path, what)
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(f"{path} ({what}) is a symbolic link; this tool never makes one and never follows "
+                              f"one: remove the link")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path} ({what}) is not a regular file; move it away")
+
+
+def _refuse_links_in(directory: Path) -> None:
+    """CheckpointError if an entry of `directory` is a symbolic link (this tool never makes one)."""
+    for entry in os.scandir(directory):
+        if entry.is_symlink():
+            check_own_file(Path(entry.path), f"an entry of {directory.name}/")
+
+
+def _lstat(path: Path, what: str) -> os.stat_result:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise CheckpointError(f"cannot look at {what} {path} ({exc.strerror or exc})") from None
+
+
+def _read_no_follow(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _part_name(name: str) -> tuple[int | None, str]:

@@ -37,10 +37,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import __version__  # from importlib.metadata
+from .checkpoint import CheckpointError
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
-from .io import one_line
-from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError
+from .io import InputError, check_distinct, one_line, stats_path_for
+from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError, os_error_message
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
@@ -175,15 +176,26 @@ def generate(
             if value is not None and value < 1:
                 raise fail(f"{flag} must be a positive integer, got {value}")
     try:
+        if log_json is not None:  # before it is opened: appending to an input or an output destroys it
+            check_distinct([input], [("OUT", output), ("--stats", stats or stats_path_for(output)),
+                                     ("--log-json", log_json)])
         log = JsonLog(log_json)
+    except InputError as exc:
+        raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"--log-json {log_json}: cannot open for writing ({exc.strerror or exc})") from None
     with log:
         try:
-            job = Generation.open(cfg)
+            with _raise_on_signals():
+                job = Generation.open(cfg)
         except UsageError as exc:
             log.write("error", message=str(exc), exit_code=EXIT_USAGE)
             raise fail(str(exc)) from None
+        except (KeyboardInterrupt, StopNow) as exc:  # while the input is read or the models load: nothing saved yet
+            code = 128 + getattr(exc, "signum", signal.SIGINT)
+            log.write("interrupted", signal=_signal_name(code - 128), rows_saved=0, total_rows=None, exit_code=code)
+            err.print("interrupted before any row was generated; nothing was written", highlight=False)
+            raise typer.Exit(code=code) from None
         with job, contextlib.ExitStack() as stack:
             executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
             code = _run(job, out, log, quiet, executor)
@@ -212,14 +224,42 @@ class JsonLog:
             self.file.close()
 
 
+class StopNow(BaseException):
+    """A second SIGINT / SIGTERM: stop at once (what is saved stays saved; temporary files are removed)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _raise_on_signals():
+    """SIGINT / SIGTERM raise StopNow (the job is not running yet: there is nothing to finish first)."""
+    def handler(signum, frame):
+        raise StopNow(signum)
+
+    previous = {}
+    try:
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread: the caller owns signals
+        pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 @contextlib.contextmanager
 def _stop_on_signals(job: Generation):
     """SIGINT / SIGTERM ask the job to stop after the current step; a second one acts at once."""
     previous = {}
 
     def handler(signum, frame):
+        if job.stop_requested:
+            raise StopNow(signum)
         job.stop(signum)
-        signal.signal(signum, previous[signum])
 
     for sig in STOP_SIGNALS:
         try:
@@ -305,10 +345,21 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                     log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
                 elif isinstance(event, Interrupted):
                     stopped = event
-    except KeyboardInterrupt:  # a second Ctrl-C: the finished rows are saved all the same
+            if stopped is None:
+                events.close()
+                summary = job.finish()  # under the signal handlers: a stop asked now lets the files be written
+    except (KeyboardInterrupt, StopNow) as exc:  # a second signal: the finished rows are saved all the same
         events.close()
-        stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total, signal=signal.SIGINT)
-    except Exception as exc:  # a bug or the machine: say what is kept, then show the traceback (exit 1)
+        stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
+                              signal=getattr(exc, "signum", signal.SIGINT))
+    except (OSError, CheckpointError) as exc:  # the machine (a full disk) or a tampered work directory: one line
+        events.close()
+        message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
+        log.write("failed", error=message, rows_saved=job.saved_rows, total_rows=total, exit_code=1)
+        err.print(f"[bold red]error:[/] {escape(message)}; {job.saved_rows} of {total} rows saved; "
+                  f"rerun the same command to resume", highlight=False)
+        return 1
+    except Exception as exc:  # a bug: say what is kept, then show the traceback (exit 1)
         events.close()
         log.write("failed", error=one_line(exc), rows_saved=job.saved_rows,
                   total_rows=total, exit_code=1)
@@ -324,7 +375,6 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         log.write("interrupted", signal=_signal_name(stopped.signal), rows_saved=stopped.saved_rows,
                   total_rows=stopped.total_rows, elapsed_s=round(time.perf_counter() - started, 3), exit_code=code)
         return code
-    summary = job.finish()
     elapsed = time.perf_counter() - started
     out.print(f"wrote {summary['rows']} rows to {summary['output']} ({summary['completion_tokens']} tokens, "
               f"{summary['completion_tokens'] / max(elapsed, 1e-9):.1f} tok/s); statistics in {summary['stats']}",

@@ -13,10 +13,13 @@ The library never prints.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import re
 import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,10 +158,17 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
 
 
 def _check_readable_file(path: Path) -> None:
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
-    if path.is_dir():
+    """A regular file we may read; anything else (missing, a loop, a FIFO, a device) is an InputError.
+
+    Only regular files are read: a FIFO or a device would be opened (and drained) more than once."""
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        raise InputError(f"{path}: {_stat_problem(path, e)}") from None
+    if stat.S_ISDIR(info.st_mode):
         raise InputError(f"{path}: is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{path}: is {_file_kind(info.st_mode)}, not a regular file; copy it to a file first")
     try:
         with open(path, "rb"):
             pass
@@ -166,6 +176,23 @@ def _check_readable_file(path: Path) -> None:
         raise InputError(f"{path}: permission denied (cannot read the file)") from None
     except OSError as e:
         raise InputError(f"{path}: cannot read the file ({e.strerror or e})") from None
+
+
+def _stat_problem(path: Path, e: OSError) -> str:
+    """What is wrong with a path that cannot be stat'ed, in words."""
+    if e.errno == errno.ELOOP:
+        return "a symbolic link loop (too many levels of symbolic links)"
+    if e.errno == errno.ENOENT:
+        return "a symbolic link to a missing file" if os.path.islink(path) else "no such file"
+    if e.errno == errno.EACCES:
+        return "permission denied (cannot look at the file)"
+    return f"cannot read the file ({e.strerror or e})"
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], list[str]]:
@@ -194,7 +221,7 @@ def _read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], li
             value = json.loads(line)
         except json.JSONDecodeError as e:
             raise InputError(
-                f"{path}: line {lineno}: malformed JSON ({e.msg} at column {e.colno})"
+                f"{path}: line {lineno}: malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
             ) from None
         except RecursionError:
             raise InputError(f"{path}: line {lineno}: JSON nested too deeply") from None
@@ -214,14 +241,18 @@ def _read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], li
 
 
 def _column_array(values: list[Any]) -> pa.Array:
-    """Values of one JSONL column as an Arrow array; JSON-encoded strings if they don't unify."""
+    """Values of one JSONL column as an Arrow array.
+
+    A column whose values do not unify into one Arrow type (a string in one row, a list in
+    another) becomes a string column: strings stay as they were, every other value is its
+    JSON text (nulls stay null)."""
     try:
         array = pa.array(values)
         if not _has_empty_struct(array.type):  # Parquet cannot store struct<>
             return array
     except (pa.ArrowException, OverflowError, TypeError, ValueError, RecursionError):
         pass
-    return pa.array([None if v is None else json.dumps(v) for v in values], type=pa.string())
+    return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], type=pa.string())
 
 
 def _has_empty_struct(t: pa.DataType) -> bool:
@@ -342,6 +373,26 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None) -> 
     return _as_int_list(tokenizer(text, add_special_tokens=True)["input_ids"])
 
 
+MIN_BYTES_PER_TOKEN = 16  # the byte bound below never assumes tokens shorter than this
+
+
+def max_prompt_bytes(tokenizer, max_tokens: int) -> int:
+    """The most bytes of prompt text that could still tokenize to at most ``max_tokens`` tokens.
+
+    No token stands for more bytes than the longest entry of the vocabulary in UTF-8 (a
+    byte-level or SentencePiece token string is never shorter than the bytes it decodes
+    to), so a longer prompt can never fit and needs no tokenizing to be refused."""
+    longest = max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=0)
+    return max_tokens * max(MIN_BYTES_PER_TOKEN, longest)
+
+
+def prompt_bytes(prompt: Prompt) -> int:
+    """UTF-8 bytes of a prompt's own text (a chat template only adds to it)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    return sum(len(m["content"].encode("utf-8")) for m in prompt)
+
+
 def _as_int_list(ids: Any) -> list[int]:
     if hasattr(ids, "tolist"):  # tensor / ndarray
         ids = ids.tolist()
@@ -363,20 +414,115 @@ def check_output_path(out: Path, overwrite: bool) -> None:
         raise InputError(f"{out}: output must be a .parquet file (or .jsonl for the OpenAI Batch output format)")
     if out.exists() and not overwrite:
         raise InputError(f"{out} already exists; pass --overwrite to replace it")
-    parent = out.parent
+    check_writable(out)
+
+
+def check_writable(path: Path) -> None:
+    """`path` can be written by a rename in its directory: the directory exists and takes a new file."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not a file")
+    parent = path.parent
     if not parent.exists():
-        raise InputError(f"{out}: directory {parent} does not exist")
+        raise InputError(f"{path}: directory {parent} does not exist")
     if not parent.is_dir():
-        raise InputError(f"{out}: {parent} is not a directory")
+        raise InputError(f"{path}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{out}: directory {parent} is not writable")
-    probe = parent / f".{out.name}.{secrets.token_hex(4)}.probe.tmp"
+        raise InputError(f"{path}: directory {parent} is not writable")
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        probe, fd = create_temp(path, "probe.tmp")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise InputError(f"{out}: cannot write in {parent} ({e.strerror or e})") from None
+        raise InputError(f"{path}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+def check_distinct(inputs: list[Path], outputs: list[tuple[str, Path]]) -> None:
+    """Refuse an output that is an input file, lies in an input directory, or is another output.
+
+    Paths are compared resolved (symbolic links followed) and, where they exist, by inode
+    (hard links). `outputs` are (how the message names it, path) pairs."""
+    seen: list[tuple[str, Path, Path, tuple | None]] = []
+    for path in inputs:
+        real, inode = _identity(path)
+        seen.append(("the input", Path(path), real, inode))
+    for label, path in outputs:
+        real, inode = _identity(path)
+        for other_label, other, other_real, other_inode in seen:
+            same = real == other_real or (inode is not None and inode == other_inode)
+            if same or (other_label == "the input" and Path(os.path.realpath(other)).is_dir()
+                        and other_real in real.parents):
+                what = f"{other_label} {other}" if same else f"inside the input directory {other}"
+                raise InputError(f"{label} {path} is {what}; give it another path (--overwrite does not change "
+                                 f"this)")
+        seen.append((label, Path(path), real, inode))
+
+
+def _identity(path: Path) -> tuple[Path, tuple | None]:
+    try:
+        info = os.stat(path)
+        inode = (info.st_dev, info.st_ino)
+    except OSError:
+        inode = None
+    return Path(os.path.realpath(path)), inode
+
+
+def temp_path(target: Path, kind: str = "tmp") -> Path:
+    """A temporary name beside `target` that names this process: ``.NAME.<pid>.<hex>.tmp``."""
+    target = Path(target)
+    return target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.{kind}"
+
+
+def create_temp(target: Path, kind: str = "tmp", mode: int = 0o666) -> tuple[Path, int]:
+    """Create a new temporary file beside `target` (see `temp_path`); returns its path and an fd open for writing.
+
+    ``O_EXCL | O_NOFOLLOW``: an existing entry of that name (a link planted there) is never
+    opened, written or removed; another name is tried."""
+    for _ in range(100):
+        path = temp_path(target, kind)
+        try:
+            return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(target))
+
+
+def remove_stale_temps(target: Path) -> list[Path]:
+    """Remove the temporary files of `target` (see `temp_path`) left by dead processes of this user.
+
+    Only regular files named as this tool names them, owned by the running user, whose pid
+    is gone, are removed; returns them."""
+    target = Path(target)
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.(\d+)\.[0-9a-f]{{8}}\.(?:probe\.)?tmp")
+    removed = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:
+            continue
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def stats_path_for(out: Path) -> Path:
@@ -555,9 +701,8 @@ def write_text_atomic(out: Path, text: str) -> None:
 def _replace_atomic(out: Path, write) -> None:
     """``write(binary file)`` into a temp file in OUT's directory, fsync, rename onto OUT, fsync the directory."""
     directory = out.parent
-    tmp = directory / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp, fd = create_temp(out)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -19,6 +19,8 @@ run cleanly after the current step, with every finished row saved.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -50,6 +52,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 class UsageError(Exception):
     """A problem with the user's flags, files or models: one line, exit code 2."""
+
+
+def os_error_message(exc: OSError) -> str:
+    """An error of the machine (a full disk, a read-only filesystem) as one line naming the file."""
+    return f"{exc.filename or 'a file'}: {exc.strerror or bio.one_line(exc)}"
 
 
 def setting(default=dataclasses.MISSING, *, fingerprint: bool = False, metadata: bool = False,
@@ -233,7 +240,8 @@ def validate(cfg: GenerateConfig) -> None:
          f"--input-format must be one of {', '.join(sources.INPUT_FORMATS)}, got {cfg.input_format!r}"),
         (cfg.output_format in sources.OUTPUT_FORMATS,
          f"--output-format must be one of {', '.join(sources.OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
-        (cfg.temperature >= 0, f"--temperature must be >= 0, got {cfg.temperature}"),
+        (math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+         f"--temperature must be a finite number >= 0, got {cfg.temperature}"),
         (cfg.logprobs is None or 0 <= cfg.logprobs <= lp.MAX_TOP,
          f"--logprobs must be between 0 and {lp.MAX_TOP}, got {cfg.logprobs}"),
         (cfg.logprobs_mode in lp.MODES, f"--logprobs-mode must be one of {', '.join(lp.MODES)}, "
@@ -301,6 +309,9 @@ class Generation:
         except (bio.InputError, models.ModelError, BucketError, CheckpointError) as exc:
             self.close()
             raise UsageError(str(exc)) from None
+        except OSError as exc:  # a full disk while writing the lock, the buckets or the first part
+            self.close()
+            raise UsageError(os_error_message(exc)) from None
         except BaseException:
             self.close()
             raise
@@ -316,10 +327,12 @@ class Generation:
         """Release the lock; a work directory with nothing resumable in it is removed."""
         if not self.work.locked:
             return
-        if not self.work.job_path.exists():
-            self.work.remove()
-        else:
-            self.work.unlock()
+        try:
+            if not os.path.lexists(self.work.job_path):
+                self.work.remove()
+        except (CheckpointError, OSError):
+            pass  # a work directory that cannot be cleaned is left as it is (the error is reported already)
+        self.work.unlock()
 
     def _open(self) -> None:
         cfg = self.cfg
@@ -327,11 +340,13 @@ class Generation:
             torch.set_num_threads(cfg.threads)
         bio.check_output_path(cfg.output, overwrite=True)
         self.stats_path = cfg.stats or bio.stats_path_for(cfg.output)
-        if self.stats_path.resolve() == cfg.output.resolve():
-            raise UsageError("--stats must differ from the output file")
+        bio.check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", self.stats_path)])
+        bio.check_writable(self.stats_path)
 
         # One writer per output: the lock, before anything is read or written.
         self.work.lock()
+        for path in (cfg.output, self.stats_path):  # what a process killed while writing them left
+            bio.remove_stale_temps(path)
         job = None
         try:
             job = self.work.read_job()
@@ -450,6 +465,8 @@ class Generation:
             raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
                              f"rerun `batchspec bucket` with these settings")
         table = read_all_rows(self.bucket_dir, self.manifest)
+        check_token_ids(table.column("__prompt_ids"), self.target.model.get_input_embeddings().num_embeddings,
+                        cfg.input)
         id_column = self.manifest.settings.get("id_column", "id")
         ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
             else [str(v) for v in table.column("__row").to_pylist()]
@@ -466,10 +483,19 @@ class Generation:
         if self.bucket_dir is not None:
             return []
         prompt_ids, failed = [], []
+        most_tokens, what = self._prompt_token_limit()
+        most_bytes = bio.max_prompt_bytes(self.tokenizer, most_tokens) if most_tokens is not None else None
         for row, prompt in enumerate(self.inp.prompts):
             if row in self.inp.errors:  # a request refused before generation (an OpenAI batch line)
                 prompt_ids.append([])
                 failed.append(RowResult(row, self.inp.ids[row], [], "error", error=self.inp.errors[row]))
+                continue
+            size = bio.prompt_bytes(prompt) if most_bytes is not None else 0
+            if most_bytes is not None and size > most_bytes:  # refused untokenized: it can never fit
+                prompt_ids.append([])
+                failed.append(RowResult(row, self.inp.ids[row], [], "error",
+                                        error=f"prompt has {size} bytes, more than {what} can hold "
+                                              f"(at most {most_bytes} bytes)"))
                 continue
             raw = openai_batch.is_text_completion(self.inp, row)  # a /v1/completions prompt: no template, no --system
             try:
@@ -484,6 +510,14 @@ class Generation:
                                       tokenizer_settings(cfg, self.target_name), width=cfg.bucket_width,
                                       min_rows=cfg.batch_size, overwrite=True)
         return failed
+
+    def _prompt_token_limit(self) -> tuple[int | None, str]:
+        """The most tokens a prompt may have (the model's context less one, --max-prompt-tokens), and its name."""
+        context = int(getattr(self.target.model.config, "max_position_embeddings", 0) or 0) or None
+        limits = [(context - 1, f"the model's context of {context} tokens")] if context else []
+        if self.cfg.max_prompt_tokens is not None:
+            limits.append((self.cfg.max_prompt_tokens, f"--max-prompt-tokens {self.cfg.max_prompt_tokens}"))
+        return min(limits, default=(None, ""))
 
     def _resume(self) -> None:
         """Load the saved parts of this job and reuse its buckets (made again if damaged)."""
@@ -706,6 +740,21 @@ class Generation:
         }
 
 
+def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:
+    """Refuse prompt token ids (a list<int> column) outside the model's vocabulary [0, vocab_size)."""
+    import pyarrow.compute as pc
+
+    flat = pc.list_flatten(prompt_ids)
+    if len(flat) == 0:
+        return
+    bounds = pc.min_max(flat)
+    low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise bio.InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                             f"was the bucket directory made for another model?")
+
+
 def use_kernels(name: str, *loaded: models.LoadedModel | None) -> list[str]:
     """Apply ``--kernels`` to the loaded models; returns notes for the user (a kernel that cannot apply)."""
     if name == "stock":
@@ -764,7 +813,7 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
             if value is None or (isinstance(value, float) and value != value):
                 values.append(None)
                 continue
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if ok and kind is int:
                 ok = float(value).is_integer()
             largest = LARGEST.get(name)

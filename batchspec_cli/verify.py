@@ -67,6 +67,10 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
     meta = bio.read_run_metadata(path)
     table = bio.read_completions(path)
+    missing = [c for c in ("id", "completion_token_ids", "finish_reason") if c not in table.column_names]
+    if missing:
+        raise bio.InputError(f"{path}: not a batchspec completions file (no column {', '.join(map(repr, missing))}"
+                             f"{'; it looks like a statistics file' if 'group_kind' in table.column_names else ''})")
     loaded = models.load_model(_model_spec(meta, "target"), dtype or meta.get("dtype", "auto"), device, quiet=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
