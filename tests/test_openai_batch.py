@@ -362,3 +362,34 @@ def test_the_body_settings_reach_each_rows_request(tmp_path, model_dirs):
     assert (requests["y"].logprobs, requests["y"].stop, requests["y"].max_new_tokens) == (None, (), 11)  # the flags
     assert requests["y"].sampling == Sampling(temperature=0.1, top_k=0, top_p=0.7, seed=9)
     assert requests["z"].logprobs == 0
+
+
+def test_logprobs_asked_by_requests_reach_both_output_formats(tmp_path, model_dirs):
+    """Only the lines that ask get log-probabilities, in the OpenAI output and the Parquet column, and they are
+    the target's own log-softmax at each generated token (a plain forward over prompt + completion)."""
+    target, draft = model_dirs
+    lines = [request(f"c{i}", {"prompt": p, "max_tokens": 6, **({"logprobs": 2} if i % 2 == 0 else {})},
+                     url=openai_batch.COMPLETIONS) for i, p in enumerate(WORDS[:4])]
+    batch = write_jsonl(tmp_path / "batch.jsonl", lines)
+    out, parquet = tmp_path / "out.jsonl", tmp_path / "rows.parquet"
+    for path in (out, parquet):
+        result = generate(batch, path, target, "--mode", "exspec", "--draft", draft, "-k", "3")
+        assert result.exit_code == 0, result.output
+    loaded = load_model(str(target), dtype="float64")
+    rows = pq.read_table(parquet).column("completion_logprobs").to_pylist()
+    for i, (prompt, answer) in enumerate(zip(WORDS, read_lines(out))):
+        choice = Completion.model_validate(answer["response"]["body"]).choices[0]
+        if i % 2:
+            assert choice.logprobs is None and rows[i] is None
+            continue
+        ids = loaded.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        completion = greedy_reference(loaded.model, ids, 6, [loaded.tokenizer.eos_token_id])
+        with torch.no_grad():
+            logits = loaded.model(torch.tensor([ids + completion])).logits[0, len(ids) - 1: -1]
+        reference = torch.log_softmax(logits, -1)
+        assert [e["token_id"] for e in rows[i]] == completion
+        for j, (entry, token) in enumerate(zip(rows[i], completion)):
+            assert abs(entry["logprob"] - float(reference[j, token])) < 1e-9
+            assert [t["token_id"] for t in entry["top_logprobs"]] == reference[j].topk(2).indices.tolist()
+        assert len(choice.logprobs.token_logprobs) == len(completion)
+        assert all(abs(a - e["logprob"]) < 1e-9 for a, e in zip(choice.logprobs.token_logprobs, rows[i]))
