@@ -83,9 +83,9 @@ class SlotCache:
     ``bind(sel, length)`` chooses the group and the column where the next forward writes;
     ``update`` (called by the model's attention layers) writes the new entries there and
     returns the group's keys/values up to the end of the new entries. With a slice
-    selection that is a view; with an index selection it is a gather, which is counted
-    (``gathered`` entries) and timed (``gather_s``) because assembling a group from the
-    pool is part of what EXSPEC pays for.
+    selection that is a view; with an index selection it is a gather, counted in ``gathered``
+    and timed in ``gather_s`` on the cache object only: no statistic reports them (the engine
+    moves every group into one slot range first, and ``StepStats.kv_gathered`` counts that move).
     """
 
     def __init__(self, n_slots: int, capacity: int):

@@ -6,8 +6,9 @@ Vocabulary (used across the package):
 - *accepted*: drafts equal to (greedy) or accepted against (sampling) the target.
 - *correction*: the target's own token at the first rejected position; *bonus*: the
   target's extra token when all k drafts were accepted. A round emits accepted + 1 tokens.
-- *acceptance length*: tokens emitted per round per row, **counting** the correction/bonus
-  token (= 1 + accepted / rounds).
+- *acceptance length*: tokens a row commits per speculative round (k > 0), **counting** the
+  correction/bonus token: 1 + accepted drafts / row-rounds of speculative rounds; plain steps
+  do not count (``stats.acceptance_length``, the one definition).
 - *group*: the rows that go through one round together; *pool*: the in-flight sequences
   of the EXSPEC runner; *realignment*: moving KV so a group is one left-padded rectangle.
 """
