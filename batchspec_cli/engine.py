@@ -16,16 +16,18 @@ how it is brought into one rectangle, and which k it runs:
   carry much padding (its longest row has left) is trimmed to its longest content in the
   same move.
 - ``auto``: EXSPEC grouping with the k of every round (0 = a plain step) chosen by the
-  policy in ``control`` from measured costs and each row's acceptance.
+  policy in ``control`` (plain against speculative decoding on measured throughput; inside
+  speculation, each round's drafter and k from measured costs and each row's acceptance).
 
-Drafters: a draft model (its own slot cache, caught up in one forward when it lags) and
-model-free ``LookupDrafter``s (``drafters``) that propose from host-side indexes; rows may
-get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
+Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
+one forward when it lags) and model-free ones that propose from host-side indexes, all
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
 ``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
 
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
-1. draft, 2. verify in one target forward, 3. accept, 4. commit. Exactly one host sync
-per round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
+1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
+round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
+round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ class EngineConfig:
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
-    calibrate: bool = True  # auto: time the forwards briefly before the first prefill
 
 
 @dataclass
@@ -501,9 +502,9 @@ class Engine:
         """Every model-free drafter's proposal for the group (K columns), cut where a row's limit is reached."""
         if not self.lookups or not self.max_k:
             return {}
-        st = self.state
-        rows = Rows([st.rows[s].row for s in slots])
-        room = [max(0, min(self.max_k, self._limit(st.rows[s]) - len(st.ids[s]) - 1)) for s in slots]
+        state = self.state
+        rows = Rows([state.rows[s].row for s in slots])
+        room = [max(0, min(self.max_k, self._limit(state.rows[s]) - len(state.ids[s]) - 1)) for s in slots]
         proposals = {}
         for drafter in self.lookups:  # no draft past the end
             proposal = drafter.propose(rows, self.max_k)
@@ -513,13 +514,13 @@ class Engine:
 
     def _choose(self, slots: list[int], proposals: dict[str, Proposal]) -> Choice:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
-        st = self.state
-        rows = [st.rows[s].row for s in slots]
-        remaining = sum(self._limit(st.rows[s]) - len(st.ids[s]) for s in slots) / len(slots)
+        state = self.state
+        rows = [state.rows[s].row for s in slots]
+        remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
         if self.model_drafter is not None:
-            sources["model"] = Offer(None, st.end[slots[0]] - min(st.dend[s] for s in slots))
-        choice = self.policy.choose(Group(rows, st.end[slots[0]], remaining), sources)
+            sources["model"] = Offer(None, state.end[slots[0]] - min(state.dend[s] for s in slots))
+        choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
         if not choice.k:
             choice.source = ""
         return choice
@@ -585,16 +586,16 @@ class Engine:
         """Host side of the commit: mirrors, completions, stop strings, finished rows.
 
         Returns what the rows committed after stop-string cuts, and the rows that finished."""
-        st, finished = self.state, []
+        state, finished = self.state, []
         emitted, kept, codes = list(committed.emitted), list(committed.kept), list(committed.codes)
         for i, slot in enumerate(slots):
             block = committed.blocks[i]
-            st.end[slot] += emitted[i]  # before any stop-string cut: the layout's end on the device
-            st.last_run[slot] = self.step_no + 1
+            state.end[slot] += emitted[i]  # before any stop-string cut: the layout's end on the device
+            state.last_run[slot] = self.step_no + 1
             if draft.source == "model":
-                st.dend[slot] = st.end[slot] - 2  # the draft is re-fed the last two committed tokens
-            row = st.rows[slot].row
-            ids = st.ids[slot]
+                state.dend[slot] = state.end[slot] - 2  # the draft is re-fed the last two committed tokens
+            row = state.rows[slot].row
+            ids = state.ids[slot]
             ids.extend(block[: emitted[i]])
             for drafter in self.lookups:
                 drafter.extend(row, block[: emitted[i]])
@@ -605,9 +606,9 @@ class Engine:
                     kept[i] = min(kept[i], emitted[i])
                     del ids[cut:]
                     codes[i] = _STOP_STRING
-            st.drafted[slot] += draft.lengths[i]
-            st.accepted[slot] += kept[i]
-            st.rounds[slot] += 1
+            state.drafted[slot] += draft.lengths[i]
+            state.accepted[slot] += kept[i]
+            state.rounds[slot] += 1
             if codes[i] != _RUNNING:
                 finished.append(self._finish(slot, _REASONS[codes[i]]))
         return Committed(emitted, kept, codes, committed.blocks), finished
