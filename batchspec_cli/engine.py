@@ -422,8 +422,9 @@ class Engine:
         T = st.end[slots[0]]
         sel = selection(slots, self.device)
         pad = self.layout.pad[sel]
-        if self.policy.wants_seed():
+        if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, sel, pad, T))
+            clock.mark("calibrated")
         proposals = self._lookup_proposals(slots)
         choice = self._choose(slots, proposals)
         k = choice.k
@@ -453,10 +454,11 @@ class Engine:
         committed, results = self._bookkeep(slots, draft, committed)
         ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
+        calibrate_s = clock.seconds("prepared", "calibrated")
         report = RoundReport(
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
-            seconds=ended - started - prepare_s, prepare_s=prepare_s, elapsed_s=ended - self.round_ended,
+            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s, elapsed_s=ended - self.round_ended,
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended = ended
         window = self.policy.observe(report)
