@@ -131,24 +131,32 @@ def assemble(view: Slots, slots: list[int], new_end: int | None, n_slots: int) -
 def select_group(view: Slots, size: int, min_group: float, step: int, starve_after: int) -> list[int]:
     """The next pooled group (sorted slots) of at most ``size`` rows.
 
-    The *core* is the largest group of rows with one padded length (the one cheapest to
-    bring into one slot range among equals), or the longest-waiting row's group when a row
-    has waited more than ``starve_after`` steps. A core of at least ``min_group`` x ``size``
-    runs alone; a smaller one is topped up with the rows closest to it in length (rows whose
-    content fits the core's length first: only they move).
+    The *core* is the largest group of rows with one padded length, or the longest-waiting
+    row's group when a row has waited more than ``starve_after`` steps. Among the ways to
+    take it (runs of ``size`` in slot order), the one cheapest to bring into one slot range
+    wins, then the one that waited longest (rows admitted together stay together). A core
+    of at least ``min_group`` x ``size`` runs alone; a smaller one is topped up with the
+    rows closest to it in length (rows whose content fits the core's length first: only
+    they move).
     """
     live = view.live
     size = min(size, len(live))
     oldest = min(live, key=lambda s: view.last_run[s])
     n_slots = len(view.end)
+
+    def best_run(same: list[int], must: int | None = None) -> list[int]:
+        starts = range(len(same) - size + 1) if must is None else \
+            range(max(0, same.index(must) - size + 1), min(same.index(must), len(same) - size) + 1)
+        runs = [same[j : j + size] for j in starts] or [same]
+        return min(runs, key=lambda c: (assembly_cost(view, c, n_slots), sum(view.last_run[s] for s in c)))
+
     if step - view.last_run[oldest] > starve_after:
-        end = view.end[oldest]
-        core = [oldest] + [s for s in live if view.end[s] == end and s != oldest][: size - 1]
+        core = best_run([s for s in live if view.end[s] == view.end[oldest]], oldest)
     else:
         by_end = Counter(view.end[s] for s in live)
         best_n = min(size, max(by_end.values()))
-        candidates = [[s for s in live if view.end[s] == e][:size]
-                      for e, n in sorted(by_end.items()) if min(n, size) == best_n]
+        candidates = [best_run([s for s in live if view.end[s] == e]) for e, n in sorted(by_end.items())
+                      if min(n, size) == best_n]
         core = min(candidates, key=lambda c: assembly_cost(view, c, n_slots))
     if len(core) >= max(1, math.ceil(min_group * size)):
         return sorted(core)
