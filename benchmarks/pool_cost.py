@@ -85,7 +85,7 @@ def timed_run(target, eos, reqs, mode: str, batch: int, window: int | None = Non
 def _caches(engine):
     pool = getattr(engine, "pool", None)
     if pool is not None:
-        return [pool.tcache, pool.dcache]
+        return [pool.target, pool.draft]
     return [engine.tcache, getattr(engine, "dcache", None)]
 
 
