@@ -81,8 +81,9 @@ class SlotCache:
     ``bind(sel, length)`` chooses the group and the column where the next forward writes;
     ``update`` (called by the model's attention layers) writes the new entries there and
     returns the group's keys/values up to the end of the new entries. With a slice
-    selection that is a view; with an index selection it is a gather, which is counted
-    (``gathered`` entries) and timed (``gather_s``).
+    selection that is a view; with an index selection it is a gather, counted in ``gathered``
+    and timed in ``gather_s`` on the cache object only: no statistic reports them (the engine
+    moves every group into one slot range first, and ``StepStats.kv_gathered`` counts that move).
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and

@@ -16,16 +16,18 @@ how it is brought into one rectangle, and which k it runs:
   carry much padding (its longest row has left) is trimmed to its longest content in the
   same move.
 - ``auto``: EXSPEC grouping with the k of every round (0 = a plain step) chosen by the
-  policy in ``control`` from measured costs and each row's acceptance.
+  policy in ``control`` (plain against speculative decoding on measured throughput; inside
+  speculation, each round's drafter and k from measured costs and each row's acceptance).
 
-Drafters: a draft model (its own slot cache, caught up in one forward when it lags) and
-model-free ``LookupDrafter``s (``drafters``) that propose from host-side indexes; rows may
-get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
+Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
+one forward when it lags) and model-free ones that propose from host-side indexes, all
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
 ``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
 
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
-1. draft, 2. verify in one target forward, 3. accept, 4. commit. Exactly one host sync
-per round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
+1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
+round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
+round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from . import drafters as drafting
 from . import sampling
 from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
-from .control import AutoK, Choice, FixedK, Source
+from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
+from .drafters import ModelDrafter, Proposal, Rows
 from .events import Request, RowResult, StepStats
 from .grouping import MovePlan, Pool, StaticBatch
 from .pool import SlotPool
@@ -50,7 +54,7 @@ StopChecker = Callable[[list[int], int], int | None]
 MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
-_CALIBRATION_CONTEXT = 64  # auto's start-up timings run on a context of at most this many columns
+_CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns
 
 
 @dataclass
@@ -64,7 +68,6 @@ class EngineConfig:
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
-    calibrate: bool = True  # auto: time the forwards briefly before the first prefill
 
 
 def pool_window(batch_size: int, window: int | None = None) -> int:
@@ -72,29 +75,10 @@ def pool_window(batch_size: int, window: int | None = None) -> int:
     return window or 4 * batch_size
 
 
-def up_cast(logits: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits in float32 (token choice and noise are exact there); others as they are."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
 @dataclass
 class ModelHandle:
     model: torch.nn.Module
     cache_kwarg: str  # "cache" or "past_key_values"
-
-
-class LookupDrafter(Protocol):
-    """A model-free drafter: host-side indexes over prompts and completions, no forward."""
-
-    name: str
-
-    def admit(self, row: int, prompt: list[int]) -> None: ...
-
-    def extend(self, row: int, tokens: list[int]) -> None: ...
-
-    def finish(self, row: int, completion: list[int]) -> None: ...
-
-    def propose(self, rows: list[int], k: int) -> list[list[int]]: ...
 
 
 class Clock:
@@ -121,14 +105,13 @@ class Clock:
 
 
 @dataclass
-class Draft:
-    """One round's drafts: tokens [G, k] (filler past each row's length), per-row lengths, who drafted."""
+class Committed:
+    """What each row of a round committed, on the host (read at the round's one sync)."""
 
-    tokens: torch.Tensor | None  # [G, k] int64
-    lengths: list[int]  # [G] real drafts per row (host)
-    sources: list[str]  # [G] who drafted each row: "model", a lookup drafter's name, "" for none
-    source: str  # the step's label: "model", the lookup drafters' names, "" for k = 0
-    fed: int = 0  # tokens the draft model's first forward took (its catch-up)
+    emitted: list[int]  # [G] tokens committed: accepted drafts + the correction or bonus, cut at EOS / limit / stop
+    kept: list[int]  # [G] drafts accepted and kept
+    codes: list[int]  # [G] _RUNNING, _STOP, _LENGTH or _STOP_STRING
+    blocks: list[list[int]]  # [G, k+1] the round's tokens (accepted drafts, then the target's); first emitted count
 
 
 def _contiguous_first(free: list[int], n: int) -> list[int]:
@@ -141,8 +124,8 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
-                 stop_checker: StopChecker | None = None, lookups: list[LookupDrafter] | None = None,
-                 policy: FixedK | None = None):
+                 stop_checker: StopChecker | None = None, lookups: list[drafting.Drafter] | None = None,
+                 policy: Policy | None = None):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
@@ -161,12 +144,12 @@ class Engine:
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
         self.step_no = 0
+        self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
+                              if self.draft is not None and self.max_k > 0 else None)
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
-        if policy is not None:
-            self.policy, self.calibrated = policy, True
-        else:
-            self.policy = AutoK(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
-            self.calibrated = not (cfg.calibrate and isinstance(self.policy, AutoK))
+        if policy is None:
+            policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
+        self.policy: Policy = policy
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
@@ -189,13 +172,16 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
-        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.draft is not None and self.max_k > 0)
+        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.model_drafter is not None)
         self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
         self.tcache, self.dcache = self.pool.target, self.pool.draft
+        if self.model_drafter is not None:
+            self.model_drafter.cache = self.dcache
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
         self.pending: Request | None = None  # read from the stream, waiting for the next admission
+        self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
@@ -244,8 +230,6 @@ class Engine:
         started = time.perf_counter()
         st = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
-        if not self.calibrated:
-            self._calibrate(chunk, end)
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
@@ -262,7 +246,7 @@ class Engine:
                 drafter.admit(req.row, req.prompt_ids)
 
         errors = self._prefill(slots, end)
-        if self.dcache is not None and self.policy.wants_draft():
+        if self.model_drafter is not None and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if st.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
@@ -297,8 +281,7 @@ class Engine:
             return
         sel = selection(slots, self.device)
         try:
-            group_forward(self.draft.model, self.dcache, self.draft.cache_kwarg, sel,
-                          self.layout.tokens[sel, : end - 2], self.pool.pads(slots), 0, logits_to_keep=1)
+            self.model_drafter.prefill(sel, self.layout.tokens[sel, : end - 2], self.pool.pads(slots))
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
@@ -320,49 +303,44 @@ class Engine:
 
     # ------------------------------------------------------------------ calibration (auto)
     @torch.no_grad()
-    def _calibrate(self, chunk: list[Request], end: int) -> None:
-        """Time the target's verify and the draft's forwards at the batch size, once, on throwaway caches.
+    def _calibrate(self, slots: list[int], sel, pad: torch.Tensor, T: int) -> Calibration:
+        """Bare forward timings for the policy's speculative options, when it first asks (``wants_seed``).
 
-        Verify widths 1, 2 and K+1 are timed (widths between are interpolated), and the
-        draft's step and first forwards, once each after a warm-up, on a context of at most
-        ``_CALIBRATION_CONTEXT`` columns. These only seed the policy: an option's first real
-        round replaces its seed. About ten short forwards, once per engine.
+        The target's verify of 2 and K+1 tokens runs on the group's own cache and context: it
+        writes columns from the last committed one on, which every later forward writes again
+        before anything reads them. The draft's step and first forwards (1, 2 and K+1 tokens)
+        run on a throwaway cache of ``_CALIBRATION_CONTEXT`` columns of the group's text. A
+        plain step's cost is what the real rounds measure. These only seed the policy: an
+        option's first real round replaces its seed.
         """
-        self.calibrated = True
-        group = min(self.cfg.batch_size, self.n_slots)
-        context = min(max(2, end), _CALIBRATION_CONTEXT)
         top = self.max_k + 1
-        ids = (chunk[0].prompt_ids * (context + top))[: context + top]
-        tokens = torch.tensor([ids] * group, device=self.device)  # [G, context + K+1]
-        pad = torch.zeros(group, dtype=torch.long, device=self.device)
-        sel = slice(0, group)
+        self.layout.grow(T + top)
 
-        def timed(handle: ModelHandle, cache: SlotCache, start: int, width: int, repeats: int = 1) -> float:
-            best = math.inf  # the least of a few: a one-off stall elsewhere on the machine must not set the shape
-            for _ in range(repeats):
-                self._sync()
-                began = time.perf_counter()
-                group_forward(handle.model, cache, handle.cache_kwarg, sel, tokens[:, start : start + width], pad,
-                              start)
-                self._sync()
-                best = min(best, time.perf_counter() - began)
-            return best
+        def timed(model, cache: SlotCache, kwarg: str, rows, tokens: torch.Tensor, row_pad, start: int) -> float:
+            self._sync()
+            began = time.perf_counter()
+            group_forward(model, cache, kwarg, rows, tokens, row_pad, start, logits_to_keep=1)
+            self._sync()
+            return time.perf_counter() - began
 
-        def curve(handle: ModelHandle, widths: list[int]) -> dict[int, float]:
-            cache = SlotCache(group, context + top + 8)
-            timed(handle, cache, 0, context, 1)  # the prefill, which also warms the kernels up
-            measured = {w: timed(handle, cache, context, w) for w in widths}
-            known = sorted(measured)
-            for w in range(1, top + 1):  # linear in between
-                if w not in measured:
-                    lo = max(x for x in known if x < w)
-                    hi = min(x for x in known if x > w)
-                    measured[w] = measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
-            return measured
-
-        verify = curve(self.target, sorted({1, 2, top}))
-        draft = curve(self.draft, sorted({1, 2, top})) if self.draft is not None else None
-        self.policy.calibrate(group, verify, draft)
+        last = self.layout.tokens[sel, T - 1 : T]  # [G, 1]
+        verify = {w: timed(self.target.model, self.tcache, self.target.cache_kwarg, sel, last.repeat(1, w), pad,
+                           T - 1) for w in sorted({2, top})}
+        for w in range(3, top):  # linear in between
+            verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
+        draft = None
+        if self.model_drafter is not None:
+            context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
+            tokens = self.layout.tokens[sel, T - context : T].repeat(1, 2 + top // context)  # [G, > context + K+1]
+            cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
+            whole = slice(0, group)
+            handle = self.draft
+            timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, :context], zeros, 0)  # prefill, warm-up
+            draft = {w: timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, context : context + w], zeros,
+                              context) for w in sorted({1, 2, top})}
+            for w in range(3, top):
+                draft[w] = draft[2] + (draft[top] - draft[2]) * (w - 2) / (top - 2)
+        return Calibration(len(slots), T, verify, draft)
 
     def _out_of_memory(self, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
@@ -396,18 +374,20 @@ class Engine:
         slots = plan.slots
         self.group = slots
         clock.mark("prepared")
-        T, G = st.end[slots[0]], len(slots)
+        T = st.end[slots[0]]
         sel = selection(slots, self.device)
         pad = self.pool.pads(slots)  # [G]
+        if self.policy.wants_seed():
+            self.policy.seed(self._calibrate(slots, sel, pad, T))
         proposals = self._lookup_proposals(slots)
-        choice, source = self._choose(slots, proposals)
+        choice = self._choose(slots, proposals)
         k = choice.k
         noise = self._noise(slots, sel, k)
         self.layout.grow(T + k + 2)
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
-            draft = self._draft(slots, sel, pad, T, k, source, proposals, noise)
+            draft, drafters = self._draft(slots, sel, pad, T, choice, proposals, noise)
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = self.layout.tokens[sel, T - 1 : T]
@@ -417,27 +397,34 @@ class Engine:
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
             target_tokens = self._choose_tokens(logits, sel, noise, 0)  # [G, k+1]
             if k:
-                lengths = None if source == "model" else device_tensor(draft.lengths, self.device)
+                lengths = None if choice.source == "model" else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
             else:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
-            host = self._commit(sel, T, k, draft, n_acc, nxt)  # the round's one host sync
-        results = self._bookkeep(slots, T, k, draft, host)
-        total = time.perf_counter() - started
-        verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
+            committed = self._commit(sel, T, k, draft, n_acc, nxt)  # the round's one host sync
+        rows = [st.rows[s].row for s in slots]
+        committed, results = self._bookkeep(slots, draft, committed)
+        ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
-        self.policy.observe_round(G, source, k, total - prepare_s, draft.fed, prepare_s)
+        report = RoundReport(
+            choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
+            accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
+            seconds=ended - started - prepare_s, prepare_s=prepare_s, elapsed_s=ended - self.round_ended,
+            draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
+        self.round_ended = ended
+        window = self.policy.observe(report)
         live_in_group = [s for s in slots if st.rows[s] is not None]
         yield StepStats(
-            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=G, k=k,
-            accepted=[row[1] for row in host], tokens_emitted=sum(row[0] for row in host), pad_before=pad_before,
+            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
+            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
             pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
-            draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3, realign_ms=(prepare_s if moved else 0.0) * 1e3,
-            gather_ms=(prepare_s if not moved else 0.0) * 1e3, total_ms=total * 1e3, drafter=draft.source,
-            drafted=sum(draft.lengths), expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
-            plain_ms=choice.plain_s * 1e3)
+            draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
+            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3, gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
+            total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
+            expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+            plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
         yield from results
 
     def _kind(self, plan: MovePlan) -> str:
@@ -446,39 +433,32 @@ class Engine:
             return "ar"
         return "realigned" if plan.realigns else "same_length"
 
-    def _lookup_proposals(self, slots: list[int]) -> list[tuple[str, list[int]]] | None:
-        """Each row's best model-free draft (drafter name, tokens), by expected accepted tokens."""
+    def _lookup_proposals(self, slots: list[int]) -> dict[str, Proposal]:
+        """Every model-free drafter's proposal for the group (K columns), cut where a row's limit is reached."""
         if not self.lookups or not self.max_k:
-            return None
-        st = self.state
-        rows = [st.rows[s].row for s in slots]
-        room = [min(self.max_k, self._limit(st.rows[s]) - len(st.ids[s]) - 1) for s in slots]  # no draft past the end
-        acceptance = self.policy.acceptance
-        best = [("", [])] * len(slots)
-        score = [0.0] * len(slots)
-        for drafter in self.lookups:
-            for i, tokens in enumerate(drafter.propose(rows, self.max_k)):
-                tokens = tokens[: max(0, room[i])]
-                alpha = acceptance.row((drafter.name, rows[i]))
-                value = sum(alpha ** (j + 1) for j in range(len(tokens)))
-                if tokens and value > score[i]:
-                    best[i], score[i] = (drafter.name, tokens), value
-        return best
+            return {}
+        state = self.state
+        rows = Rows([state.rows[s].row for s in slots])
+        room = [max(0, min(self.max_k, self._limit(state.rows[s]) - len(state.ids[s]) - 1)) for s in slots]
+        proposals = {}
+        for drafter in self.lookups:  # no draft past the end
+            proposal = drafter.propose(rows, self.max_k)
+            proposal.lengths = [min(n, r) for n, r in zip(proposal.lengths, room)]
+            proposals[drafter.name] = proposal
+        return proposals
 
-    def _choose(self, slots: list[int], proposals) -> tuple[Choice, str]:
+    def _choose(self, slots: list[int], proposals: dict[str, Proposal]) -> Choice:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
-        st = self.state
-        rows = [st.rows[s].row for s in slots]
-        remaining = sum(self._limit(st.rows[s]) - len(st.ids[s]) for s in slots) / len(slots)
-        sources = {}
-        if proposals is not None and any(tokens for _, tokens in proposals):
-            sources["lookup"] = Source([(name or "lookup", row) for (name, _), row in zip(proposals, rows)],
-                                       [len(tokens) for _, tokens in proposals])
-        if self.dcache is not None:
-            sources["model"] = Source([("model", row) for row in rows], None,
-                                      st.end[slots[0]] - min(st.dend[s] for s in slots))
-        choice, source = self.policy.choose(len(slots), sources, remaining)
-        return choice, (source if choice.k else "")
+        state = self.state
+        rows = [state.rows[s].row for s in slots]
+        remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
+        sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
+        if self.model_drafter is not None:
+            sources["model"] = Offer(None, state.end[slots[0]] - min(state.dend[s] for s in slots))
+        choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
+        if not choice.k:
+            choice.source = ""
+        return choice
 
     def _noise(self, slots: list[int], sel, k: int):
         """(noise seeds [G, k+1], sampled flags, filter flags) for the round's positions; None when all greedy."""
@@ -493,7 +473,7 @@ class Engine:
 
     def _choose_tokens(self, logits: torch.Tensor, sel, noise, first: int) -> torch.Tensor:
         """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
-        logits = up_cast(logits)
+        logits = sampling.up_cast(logits)
         if noise is None:
             return logits.argmax(-1)
         base, sampled, filters = noise
@@ -501,42 +481,22 @@ class Engine:
         return sampling.gumbel_tokens(logits, st.temperature[sel], st.top_k[sel], st.top_p[sel],
                                       base[:, first : first + logits.shape[1]], sampled, filters)
 
-    def _draft(self, slots, sel, pad, T: int, k: int, source: str, proposals, noise) -> Draft:
+    def _draft(self, slots, sel, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
+               noise) -> tuple[Proposal, list[str]]:
+        """The round's drafts and [G] who drafted each row ("" none)."""
+        k = choice.k
         if not k:
-            return Draft(None, [0] * len(slots), [""] * len(slots), "")
-        if source == "model":
-            return self._draft_model(slots, sel, pad, T, k, noise)
-        names = {name for name, tokens in proposals if tokens}
-        lengths = [min(k, len(tokens)) for _, tokens in proposals]
-        filled = [tokens[:k] + [self.cfg.pad_id] * (k - len(tokens[:k])) for _, tokens in proposals]
-        sources = [name if n else "" for (name, _), n in zip(proposals, lengths)]
-        return Draft(device_tensor(filled, self.device), lengths, sources, ",".join(sorted(names)))
+            return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
+        if choice.source == "model":
+            rows = Rows([self.state.rows[s].row for s in slots], sel, self.layout.tokens[sel, :T], pad,
+                        min(self.state.dend[s] for s in slots),
+                        lambda logits, j: self._choose_tokens(logits, sel, noise, j))
+            return self.model_drafter.propose(rows, k), ["model"] * len(slots)
+        merged = drafting.merge(proposals, choice.drafters, k, self.device)
+        return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
-    def _draft_model(self, slots, sel, pad, T: int, k: int, noise) -> Draft:
-        """k tokens per row from the draft model; its first forward feeds every column it has not seen."""
-        model, cache, kwarg = self.draft.model, self.dcache, self.draft.cache_kwarg
-        start = max(0, min(min(self.state.dend[s] for s in slots), T - 2))
-        inputs, fed = self.layout.tokens[sel, start:T], T - start
-        drafts = []
-        for j in range(k):
-            logits = group_forward(model, cache, kwarg, sel, inputs, pad, start, logits_to_keep=1)[:, -1:]
-            token = self._choose_tokens(self._to_target_vocab(logits), sel, noise, j)[:, 0]
-            drafts.append(token)
-            inputs, start = token[:, None], T + j
-        return Draft(torch.stack(drafts, 1), [k] * len(slots), ["model"] * len(slots), "model", fed)
-
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Slice or pad draft logits [..., Vd] to the target's vocabulary size."""
-        logits = up_cast(logits)
-        extra = self.vocab - logits.shape[-1]
-        if extra < 0:
-            return logits[..., : self.vocab]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=torch.finfo(logits.dtype).min)
-        return logits
-
-    def _commit(self, sel, T: int, k: int, draft: Draft, n_acc: torch.Tensor, nxt: torch.Tensor) -> list[list[int]]:
-        """Write the round's block and advance the rows; returns per row [emitted, kept, code, *block].
+    def _commit(self, sel, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor) -> Committed:
+        """Write the round's block and advance the rows; returns what each row committed, on the host.
 
         Tokens kept stop at the first EOS of the set among the committed ones and at the
         row's limit. Everything is computed before the first write.
@@ -550,39 +510,39 @@ class Engine:
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
-        host = torch.cat([torch.stack([emitted, kept, code], 1), block], 1)  # [G, 3 + k+1]
+        on_host = torch.cat([torch.stack([emitted, kept, code], 1), block], 1).tolist()  # [G, 3 + k+1]
         self.layout.tokens[sel, T : T + k + 1] = block
         self.state.gen[sel] += emitted
-        return host.tolist()
+        return Committed(*(list(column) for column in zip(*((r[0], r[1], r[2], r[3:]) for r in on_host))))
 
-    def _bookkeep(self, slots: list[int], T: int, k: int, draft: Draft,
-                  host: list[list[int]]) -> list[RowResult]:
-        """Host side of the commit: mirrors, completions, stop strings, acceptance, finished rows."""
-        st, finished = self.state, []
-        for i, s in enumerate(slots):
-            emitted, kept, code, block = host[i][0], host[i][1], host[i][2], host[i][3:]
-            self.pool.commit(s, emitted, draft.source == "model", self.step_no + 1)
-            row = st.rows[s].row
-            ids = st.ids[s]
-            ids.extend(block[:emitted])
+    def _bookkeep(self, slots: list[int], draft: Proposal,
+                  committed: Committed) -> tuple[Committed, list[RowResult]]:
+        """Host side of the commit: mirrors, completions, stop strings, finished rows.
+
+        Returns what the rows committed after stop-string cuts, and the rows that finished."""
+        state, finished = self.state, []
+        emitted, kept, codes = list(committed.emitted), list(committed.kept), list(committed.codes)
+        for i, slot in enumerate(slots):
+            block = committed.blocks[i]
+            self.pool.commit(slot, emitted[i], draft.source == "model", self.step_no + 1)
+            row = state.rows[slot].row
+            ids = state.ids[slot]
+            ids.extend(block[: emitted[i]])
             for drafter in self.lookups:
-                drafter.extend(row, block[:emitted])
+                drafter.extend(row, block[: emitted[i]])
             if self.stop_checker is not None:
-                cut = self.stop_checker(ids, emitted)
+                cut = self.stop_checker(ids, emitted[i])
                 if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
-                    emitted -= len(ids) - cut
-                    kept = min(kept, emitted)
+                    emitted[i] -= len(ids) - cut
+                    kept[i] = min(kept[i], emitted[i])
                     del ids[cut:]
-                    code = _STOP_STRING
-            host[i][0], host[i][1] = emitted, kept
-            if draft.lengths[i]:
-                self.policy.acceptance.observe((draft.sources[i], row), draft.lengths[i], kept)
-            st.drafted[s] += draft.lengths[i]
-            st.accepted[s] += kept
-            st.rounds[s] += 1
-            if code != _RUNNING:
-                finished.append(self._end_row(s, _REASONS[code]))
-        return finished
+                    codes[i] = _STOP_STRING
+            state.drafted[slot] += draft.lengths[i]
+            state.accepted[slot] += kept[i]
+            state.rounds[slot] += 1
+            if codes[i] != _RUNNING:
+                finished.append(self._end_row(slot, _REASONS[codes[i]]))
+        return Committed(emitted, kept, codes, committed.blocks), finished
 
     def _error_row(self, req: Request, error: str) -> RowResult:
         return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
@@ -600,5 +560,4 @@ class Engine:
         self.pool.free(slot)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
-        self.policy.acceptance.forget_row(req.row)
         return result

@@ -240,6 +240,7 @@ class Generation:
         self.notes: list[str] = []
         self.lookup_names: list[str] = []  # model-free drafters (see _drafters)
         self.lookups: list = []
+        self.preloads: list[tuple[list[int], list[int] | None]] = []  # saved rows (prompt, completion) drafters relearn
         self.results: dict[int, RowResult] = {}
         self.stats: list[StepStats] = []
         self.work = WorkDir(work_dir_for(cfg.output))
@@ -508,8 +509,9 @@ class Generation:
                     continue
                 if row in skip:  # saved by an interrupted run: what it taught the drafters is taught again
                     done = self.results[row]
-                    for drafter in self.lookups:
-                        drafter.preload(prompt, done.token_ids if done.finish_reason != "error" else None)
+                    self.preloads.append((prompt, done.token_ids if done.finish_reason != "error" else None))
+                    for drafter in self.lookups:  # this process's engine (a Ray worker's: WorkerSpec.preload)
+                        drafter.preload(*self.preloads[-1])
                     continue
                 self._row_bucket[row] = bucket.index
                 self._bucket_left[bucket.index] = self._bucket_left.get(bucket.index, 0) + 1

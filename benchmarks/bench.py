@@ -8,9 +8,9 @@ For every batch size every mode decodes the same prompts (Spec-Bench ``turns[0]`
 chat template); the script checks that the completions are identical across modes (and
 exits with status 1, naming the batch size, run and rows, when they are not) and reports
 tokens/s, the ratio to ``ar`` at the same batch size, the acceptance (accepted / drafted
-tokens), the mean acceptance length (tokens per row per round, *counting* the
-correction/bonus token), the group hit rate and the realignment + gather share of step
-time. By default every batch size runs the modes forward and then backward (``--order
+tokens), the mean acceptance length (``stats.acceptance_length``: 1 + accepted drafts per
+row-round of the rounds with k > 0, *counting* the correction/bonus token), the group hit
+rate and the realignment + gather share of step time. By default every batch size runs the modes forward and then backward (``--order
 palindrome``) and pools both runs of each mode, so that a drift of the machine's speed
 during the sweep does not favour the mode that runs first.
 
@@ -66,6 +66,7 @@ from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.stats import acceptance_length  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
@@ -269,7 +270,8 @@ def summarize(runs: list[Run]) -> dict:
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
         "runs_tokens_per_s": [n / run.wall for n, run in zip(run_tokens, runs)],
         "decode_tokens_per_s": tokens / (decode_ms / 1e3) if decode_ms else None,
-        "acceptance_length": (sum(s.tokens_emitted for s in rounds) / row_rounds) if rounds else None,
+        "acceptance_length": acceptance_length(sum(sum(s.accepted) for s in rounds if s.k),
+                                               sum(s.batch_size for s in rounds if s.k)),
         "accepted_per_round": accepted / row_rounds if spec else 0.0,
         "drafted": drafted, "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
