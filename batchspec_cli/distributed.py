@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .engine import pool_window
 from .events import Request, RowResult, StepStats
 from .runner import GenerateConfig, Generation, build_engine, use_kernels
 
@@ -172,7 +173,7 @@ class RayExecutor:
         self.job, self.rcfg = job, rcfg
         cfg = job.cfg
         self.threads = cfg.threads or 1
-        self.block_rows = rcfg.block_rows or cfg.window or 4 * cfg.batch_size
+        self.block_rows = rcfg.block_rows or pool_window(cfg.batch_size, cfg.window)
         self.spec = WorkerSpec(cfg=cfg, mode=job.mode, draft_spec=job.draft_spec, lookup_names=job.lookup_names,
                                threads=self.threads)
         self.owns_ray = False

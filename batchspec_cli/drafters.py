@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import lookup
+from . import lookup, sampling
 from .align import Selection, SlotCache, group_forward
 
 NAMES = ("ngram", "suffix")
@@ -121,7 +121,7 @@ class ModelDrafter:
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Slice or pad draft logits [..., Vd] to the target's vocabulary size."""
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        logits = sampling.up_cast(logits)
         extra = self.vocab - logits.shape[-1]
         if extra < 0:
             return logits[..., : self.vocab]

@@ -21,8 +21,9 @@ how it is brought into one rectangle, and which k it runs:
 
 Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
 one forward when it lags) and model-free ones that propose from host-side indexes, all
-behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
-``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens
+are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
+mode, drafter or k changes an output.
 
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -42,12 +42,12 @@ import torch
 
 from . import drafters as drafting
 from . import sampling
-from .align import CacheFull, Layout, SlotCache, device_tensor, group_forward, is_run, realign, selection
-from .align import use_folded_sdpa
+from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import Request, RowResult, StepStats
-from .slots import SlotState
+from .grouping import MovePlan, Pool, StaticBatch
+from .pool import SlotPool
 
 StopChecker = Callable[[list[int], int], int | None]
 """(completion token ids so far, number of tokens added this round) -> cut length or None."""
@@ -55,7 +55,6 @@ StopChecker = Callable[[list[int], int], int | None]
 MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
-_TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
 _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns
 
 
@@ -64,12 +63,17 @@ class EngineConfig:
     mode: str = "auto"  # auto | ar | eqspec | exspec
     k: int = 5  # draft tokens per round (auto: the most)
     batch_size: int = 8
-    window: int = 32  # pool size of exspec and auto
+    window: int | None = None  # pool size of exspec and auto (default: pool_window)
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
+
+
+def pool_window(batch_size: int, window: int | None = None) -> int:
+    """The pool's size in rows (exspec, auto): ``window`` when given, else 4 x the batch size."""
+    return window or 4 * batch_size
 
 
 @dataclass
@@ -131,17 +135,15 @@ class Engine:
         if cfg.mode in ("eqspec", "exspec") and self.draft is None and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
-        for handle in (target, self.draft):  # multi-token forwards with a mask then copy no K/V
-            if handle is not None:
-                use_folded_sdpa(handle.model)
         self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
-        self.pooled = cfg.mode in ("exspec", "auto")
+        self.strategy = (Pool(pool_window(cfg.batch_size, cfg.window), cfg.batch_size, cfg.min_group, cfg.trim)
+                         if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
-        self.n_slots = cfg.window if self.pooled else cfg.batch_size
+        self.n_slots = self.strategy.n_slots
         self.step_no = 0
         self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
                               if self.draft is not None and self.max_k > 0 else None)
@@ -152,44 +154,35 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
+        """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only."""
         stream = iter(requests)
         self._reset()
-        while True:
-            yield from self._admit_from(stream)
-            if not self.live:
-                if self.exhausted:
-                    return
-                continue
-            slots = self._select()
-            self.group = slots
-            try:
-                yield from self._round(slots)
-            except torch.OutOfMemoryError as exc:
-                yield from self._out_of_memory(self.group, exc)
+        with folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)):
+            while True:
+                yield from self._admit_from(stream)
+                if not self.pool.live:
+                    if self.exhausted:
+                        return
+                    continue
+                slots = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
+                self.group = slots
+                try:
+                    yield from self._round(slots)
+                except torch.OutOfMemoryError as exc:
+                    yield from self._out_of_memory(self.group, exc)
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
-        n, cap, dev = self.n_slots, 64, self.device
-        self.layout = Layout.empty(n, cap, dev)
-        self.tcache = SlotCache(n, cap)
-        self.dcache = SlotCache(n, cap) if self.model_drafter is not None else None
+        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.model_drafter is not None)
+        self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
+        self.tcache, self.dcache = self.pool.target, self.pool.draft
         if self.model_drafter is not None:
             self.model_drafter.cache = self.dcache
-        self.state = SlotState.empty(n, dev)
-        self.live: list[int] = []
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
         self.pending: Request | None = None  # read from the stream, waiting for the next admission
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
-
-    def _caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
-        """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
-        st = self.state
-        caches = [(self.tcache, [1] * len(slots))]
-        if self.dcache is not None:
-            caches.append((self.dcache, [st.end[s] - st.dend[s] for s in slots]))
-        return caches
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
@@ -211,9 +204,8 @@ class Engine:
         (continuous batching): the next round's ``_prepare`` realigns the batch, new rows
         included, into one rectangle.
         """
-        free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
-        chunk_min = self.cfg.batch_size if self.pooled else max(1, self.cfg.batch_size // 4)
-        if self.live and len(free) < min(chunk_min, self.n_slots):
+        free = self.pool.free_slots()
+        if self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
         while free and not self.exhausted:
             chunk = []
@@ -224,7 +216,7 @@ class Engine:
                     break
                 error = self._check(req)
                 if error:
-                    yield RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+                    yield self._error_row(req, error)
                     continue
                 if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
                     self.pending = req
@@ -232,7 +224,7 @@ class Engine:
                 chunk.append(req)
             if chunk:
                 yield from self._admit(chunk, free)
-                free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
+                free = self.pool.free_slots()
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
@@ -240,12 +232,16 @@ class Engine:
         st = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
-        self.layout.place(device_tensor(slots, self.device), [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
+        limits = [self._limit(r) for r in chunk]
+        try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
+            self.pool.reserve(slots, end + max(limits) + self.max_k + 1)
+        except torch.OutOfMemoryError:
+            self._empty_cache()
+            for req in chunk:
+                yield self._error_row(req, "out of memory: no room for this row's KV cache")
+            return
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
-        st.place(slots, chunk, end, keys, [self._limit(r) for r in chunk], self.device)
-        for slot in slots:
-            st.last_run[slot] = self.step_no
-        self.live = sorted(self.live + slots)
+        self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         for drafter in self.lookups:
             for req in chunk:
                 drafter.admit(req.row, req.prompt_ids)
@@ -270,12 +266,12 @@ class Engine:
         try:
             sel = selection(slots, self.device)
             group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel,
-                          self.layout.tokens[sel, : end - 1], self.layout.pad[sel], 0, logits_to_keep=1)
+                          self.layout.tokens[sel, : end - 1], self.pool.pads(slots), 0, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
             if len(slots) == 1:
-                return [self._drop(slots[0], "out of memory while prefilling this prompt alone")]
+                return [self._end_row(slots[0], "error", "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
             return self._prefill(slots[:half], end) + self._prefill(slots[half:], end)
 
@@ -286,7 +282,7 @@ class Engine:
             return
         sel = selection(slots, self.device)
         try:
-            self.model_drafter.prefill(sel, self.layout.tokens[sel, : end - 2], self.layout.pad[sel])
+            self.model_drafter.prefill(sel, self.layout.tokens[sel, : end - 2], self.pool.pads(slots))
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
@@ -347,40 +343,6 @@ class Engine:
                 draft[w] = draft[2] + (draft[top] - draft[2]) * (w - 2) / (top - 2)
         return Calibration(len(slots), T, verify, draft)
 
-    # ------------------------------------------------------------------ grouping
-    def _select(self) -> list[int]:
-        """Choose the next group (sorted slots).
-
-        exspec/auto: the *core* is the largest group of rows with one padded length (the one
-        cheapest to bring into one slot range among equals), or the longest-waiting row's
-        group when a row starves. A core of at least ``min_group`` x the batch runs alone (no
-        realignment needed; its padding may still be trimmed, see ``_target_end``); a smaller
-        one is topped up with the rows closest to it in length (``_prepare`` realigns the
-        group to ``_target_end``, normally the core's length, so only the added rows move).
-        """
-        if not self.pooled:
-            return self.live[: self.max_group]
-        st = self.state
-        size = min(self.max_group, len(self.live))
-        oldest = min(self.live, key=lambda s: st.last_run[s])
-        starving = self.step_no - st.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
-        if starving:
-            end = st.end[oldest]
-            core = [oldest] + [s for s in self.live if st.end[s] == end and s != oldest][: size - 1]
-        else:
-            by_end = Counter(st.end[s] for s in self.live)
-            best_n = min(size, max(by_end.values()))
-            candidates = [[s for s in self.live if st.end[s] == e][:size]
-                          for e, n in sorted(by_end.items()) if min(n, size) == best_n]
-            core = min(candidates, key=self._assembly_cost)
-        if len(core) >= max(1, math.ceil(self.cfg.min_group * size)):
-            return sorted(core)
-        end, members = st.end[core[0]], set(core)
-        # Fillers: rows whose content fits the core's length first (only they move), nearest length first.
-        rest = sorted((s for s in self.live if s not in members),
-                      key=lambda s: (st.end[s] - st.pad[s] > end, abs(st.end[s] - end), s))
-        return sorted(core + rest[: size - len(core)])
-
     def _out_of_memory(self, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
 
@@ -394,20 +356,12 @@ class Engine:
         slots = [s for s in slots if self.state.rows[s] is not None]
         if isinstance(exc, CacheFull):
             longest = max(slots, key=lambda s: self.state.end[s] - self.state.pad[s])
-            yield self._drop(longest, f"out of memory: {exc}")
+            yield self._end_row(longest, "error", f"out of memory: {exc}")
             return
         if len(slots) > 1:
             self.max_group = max(1, len(slots) // 2)
             return
-        yield self._drop(slots[0], "out of memory even for this row alone")
-
-    def _drop(self, slot: int, error: str) -> RowResult:
-        req = self.state.rows[slot]
-        self.state.clear(slot)
-        self.live.remove(slot)
-        for drafter in self.lookups:
-            drafter.finish(req.row, [])
-        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+        yield self._end_row(slots[0], "error", "out of memory even for this row alone")
 
     # ------------------------------------------------------------------ one round
     def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
@@ -416,12 +370,14 @@ class Engine:
         bucket = st.rows[slots[0]].bucket
         # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
         clock.mark("prepare")
-        slots, moved, gathered = self._prepare(slots)
+        plan = self.strategy.plan(self.pool.view(), slots)
+        moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
+        slots = plan.slots
         self.group = slots
         clock.mark("prepared")
         T = st.end[slots[0]]
         sel = selection(slots, self.device)
-        pad = self.layout.pad[sel]
+        pad = self.pool.pads(slots)  # [G]
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, sel, pad, T))
             clock.mark("calibrated")
@@ -458,47 +414,28 @@ class Engine:
         report = RoundReport(
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
-            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s, elapsed_s=ended - self.round_ended,
+            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
+            elapsed_s=ended - self.round_ended,
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended = ended
         window = self.policy.observe(report)
         live_in_group = [s for s in slots if st.rows[s] is not None]
         yield StepStats(
-            bucket=bucket, step=self._next_step(), group_kind=self._kind(moved), batch_size=len(slots), k=k,
+            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
             accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
             pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
-            realign_ms=(prepare_s if moved else 0.0) * 1e3, gather_ms=(prepare_s if not moved else 0.0) * 1e3,
+            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3, gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
         yield from results
 
-    def _kind(self, moved: int) -> str:
+    def _kind(self, plan: MovePlan) -> str:
+        """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
         if self.cfg.mode == "ar":
             return "ar"
-        return "realigned" if moved else "same_length"
-
-    def _prepare(self, slots: list[int]) -> tuple[list[int], int, int]:
-        """Bring the group into one rectangle in one contiguous slot range.
-
-        Returns (slots, KV entries moved to realign, KV entries moved to assemble). exspec/auto:
-        a mixed group is brought to one padded length (the fallback), a same-length one loses
-        padding it no longer needs, a scattered one is moved together. ar/eqspec: every live
-        row is realigned to the longest content and compacted into slots 0..n-1 whenever the
-        rows' lengths differ (unpad -> append -> repad) or finished rows left holes.
-        """
-        st = self.state
-        if not self.pooled:
-            if len({st.end[s] for s in self.live}) > 1 or not is_run(self.live) or self.live[0] != 0:
-                moved = self._realign_group(list(self.live), None, compact=True)
-                return self.live[: len(slots)], moved, 0
-            return slots, 0, 0
-        new_end = self._target_end(slots)
-        if new_end is None and is_run(slots):
-            return slots, 0, 0
-        slots, n = self._assemble(slots, new_end)
-        return (slots, 0, n) if new_end is None else (slots, n, 0)
+        return "realigned" if plan.realigns else "same_length"
 
     def _lookup_proposals(self, slots: list[int]) -> dict[str, Proposal]:
         """Every model-free drafter's proposal for the group (K columns), cut where a row's limit is reached."""
@@ -540,7 +477,7 @@ class Engine:
 
     def _choose_tokens(self, logits: torch.Tensor, sel, noise, first: int) -> torch.Tensor:
         """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        logits = sampling.up_cast(logits)
         if noise is None:
             return logits.argmax(-1)
         base, sampled, filters = noise
@@ -579,7 +516,6 @@ class Engine:
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
         on_host = torch.cat([torch.stack([emitted, kept, code], 1), block], 1).tolist()  # [G, 3 + k+1]
         self.layout.tokens[sel, T : T + k + 1] = block
-        self.layout.end[sel] += emitted
         self.state.gen[sel] += emitted
         return Committed(*(list(column) for column in zip(*((r[0], r[1], r[2], r[3:]) for r in on_host))))
 
@@ -592,10 +528,7 @@ class Engine:
         emitted, kept, codes = list(committed.emitted), list(committed.kept), list(committed.codes)
         for i, slot in enumerate(slots):
             block = committed.blocks[i]
-            state.end[slot] += emitted[i]  # before any stop-string cut: the layout's end on the device
-            state.last_run[slot] = self.step_no + 1
-            if draft.source == "model":
-                state.dend[slot] = state.end[slot] - 2  # the draft is re-fed the last two committed tokens
+            self.pool.commit(slot, emitted[i], draft.source == "model", self.step_no + 1)
             row = state.rows[slot].row
             ids = state.ids[slot]
             ids.extend(block[: emitted[i]])
@@ -612,105 +545,23 @@ class Engine:
             state.accepted[slot] += kept[i]
             state.rounds[slot] += 1
             if codes[i] != _RUNNING:
-                finished.append(self._finish(slot, _REASONS[codes[i]]))
+                finished.append(self._end_row(slot, _REASONS[codes[i]]))
         return Committed(emitted, kept, codes, committed.blocks), finished
 
-    def _finish(self, slot: int, reason: str) -> RowResult:
+    def _error_row(self, req: Request, error: str) -> RowResult:
+        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+
+    def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
+        """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
         st = self.state
-        req, ids = st.rows[slot], st.ids[slot]
-        result = RowResult(req.row, req.id, list(ids), reason, drafted_tokens=st.drafted[slot],
-                           accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
-                           prompt_tokens=len(req.prompt_ids))
-        st.clear(slot)
-        self.live.remove(slot)
+        req = st.rows[slot]
+        if error is None:
+            result = RowResult(req.row, req.id, list(st.ids[slot]), reason, drafted_tokens=st.drafted[slot],
+                               accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
+                               prompt_tokens=len(req.prompt_ids))
+        else:
+            result = self._error_row(req, error)
+        self.pool.free(slot)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
         return result
-
-    # ------------------------------------------------------------------ realignment
-    @torch.no_grad()
-    def _realign_group(self, slots: list[int], new_end: int | None, compact: bool) -> int:
-        """Give ``slots`` one padded length; ``new_end=None`` trims to the longest content.
-
-        With ``compact`` the rows are also moved to slots 0..n-1 (finished rows leave the
-        batch). Only rows whose slot or shift changes are touched.
-        """
-        st = self.state
-        if new_end is None:
-            new_end = max(2, max(st.end[s] - st.pad[s] for s in slots))
-        dst = list(range(len(slots))) if compact else list(slots)
-        return self._move([(s, d, new_end) for s, d in zip(slots, dst)])
-
-    def _target_end(self, slots: list[int]) -> int | None:
-        """The padded length an exspec group runs at, or None to keep the one its rows share.
-
-        Any end at or past the group's longest content is reachable (rows shift left into
-        their padding or right). Of those, the end most rows already have (fewest moved),
-        unless it leaves at least max(16, end / 8) pad columns in every row: then the
-        longest content. A pad column costs every later round an attention read per row
-        and layer (target and draft); a move copies a row's content once.
-        """
-        st = self.state
-        floor = max(2, max(st.end[s] - st.pad[s] for s in slots))  # the draft re-reads 2 columns
-        ends = Counter(st.end[s] for s in slots if st.end[s] >= floor)
-        end = max(ends.items(), key=lambda item: (item[1], -item[0]))[0] if ends else floor
-        if self.cfg.trim and end - floor >= max(_TRIM_MIN, end // _TRIM_FRACTION):
-            end = floor
-        if len(ends) == 1 and ends[end] == len(slots):
-            return None  # every row already ends there
-        return end
-
-    def _window_for(self, slots: list[int]) -> tuple[int, int]:
-        """(first slot, KV columns moved) of the contiguous range that takes ``slots`` most cheaply.
-
-        Moving the group into [a, a+G) moves every member outside the range and every other
-        live row inside it (it trades places with a member); each costs its content length
-        (``realign`` copies content only), so a long row stays put when a short one can move.
-        """
-        st = self.state
-        size, members = len(slots), set(slots)
-        content = [st.end[s] - st.pad[s] if st.rows[s] is not None else 0 for s in range(self.n_slots)]
-        # cost(a) = (members' content outside) + (other rows' content inside), from running sums over the slots
-        weight = [-content[s] if s in members else content[s] for s in range(self.n_slots)]
-        cost = sum(content[s] for s in slots) + sum(weight[:size])
-        best = (0, cost)
-        for a in range(1, self.n_slots - size + 1):
-            cost += weight[a + size - 1] - weight[a - 1]
-            if cost < best[1]:
-                best = (a, cost)
-        return best
-
-    def _assembly_cost(self, slots: list[int]) -> int:
-        return 0 if is_run(slots) else self._window_for(slots)[1]
-
-    @torch.no_grad()
-    def _assemble(self, slots: list[int], new_end: int | None) -> tuple[list[int], int]:
-        """Make an exspec group one contiguous slot range (views, no per-forward gathers).
-
-        With ``new_end`` the rows are also realigned to that padded length in the same
-        move (the mixed-length fallback). Returns the group's new slots and KV entries moved.
-        """
-        st = self.state
-        a, _ = self._window_for(slots)
-        target = range(a, a + len(slots))
-        incoming = [s for s in slots if s not in target]
-        opening = [d for d in target if d not in slots]  # as many as incoming
-        plan = [(s, s, new_end) for s in slots if s in target] + [(s, d, new_end) for s, d in zip(incoming, opening)]
-        if new_end is None:
-            plan = [(s, d, st.end[s]) for s, d, _ in plan]
-        # A live row in an opening slot trades places with the member that comes in.
-        plan += [(d, s, st.end[d]) for s, d in zip(incoming, opening) if st.rows[d] is not None]
-        return list(target), self._move(plan)
-
-    def _move(self, plan: list[tuple[int, int, int]]) -> int:
-        """Move rows (src slot, dst slot, new padded length): KV and layout first, then the slot state as a unit."""
-        st = self.state
-        moving = [(s, d, e) for s, d, e in plan if s != d or st.end[s] != e]
-        if not moving:
-            return 0
-        src, dst = [s for s, _, _ in moving], [d for _, d, _ in moving]
-        moved = realign(self.layout, self._caches(src), src, dst, [st.end[s] for s in src],
-                        [e for _, _, e in moving], [st.pad[s] for s in src])
-        st.move(moving, device_tensor(src, self.device), device_tensor(dst, self.device))
-        self.live = st.live()
-        return moved

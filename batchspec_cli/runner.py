@@ -35,10 +35,9 @@ from . import drafters
 from . import io as bio
 from . import models
 from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
-from .engine import Engine, EngineConfig, ModelHandle
+from .engine import MODES, Engine, EngineConfig, ModelHandle, pool_window
 from .events import Request, RowResult, Sampling, StepStats
 
-MODES = ("auto", "ar", "eqspec", "exspec")
 KERNELS = ("stock", "packed")
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
@@ -623,7 +622,7 @@ class Generation:
             "batchspec_version": __version__, "torch_version": torch.__version__,
             "transformers_version": _transformers_version(),
             **settings_record(cfg, "metadata", target=self.target_name, draft=self.draft.name if self.draft else None,
-                              mode=self.mode, window=cfg.window or 4 * cfg.batch_size,
+                              mode=self.mode, window=pool_window(cfg.batch_size, cfg.window),
                               dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
             "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
             "drafters": (["model"] if self.draft else []) + self.lookup_names,
@@ -679,7 +678,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     (a single-process run and every distributed worker go through it)."""
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window or 4 * cfg.batch_size,
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
                          pad_id=pad_id)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None

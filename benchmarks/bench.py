@@ -14,7 +14,8 @@ rate and the realignment + gather share of step time. By default every batch siz
 palindrome``) and pools both runs of each mode, so that a drift of the machine's speed
 during the sweep does not favour the mode that runs first.
 
-Runs: ``ar`` once; ``eqspec`` / ``exspec`` once per k of ``-k`` and per drafter
+Runs: ``ar`` once; ``pool0`` once: the pooled engine (``auto``'s pool, admission and
+grouping) with no drafter, so every round is a plain step (what the pool itself costs); ``eqspec`` / ``exspec`` once per k of ``-k`` and per drafter
 configuration of ``--drafters``; ``auto`` once per drafter configuration with K =
 ``--max-k`` (default: the largest ``-k``); ``hf`` once: plain Hugging Face
 ``model.generate`` (greedy, static batches of B prompts in the same bucketed order, left
@@ -70,7 +71,8 @@ from buckets import plan_buckets  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-ENGINE_MODES = ("ar", "auto", "eqspec", "exspec")
+ENGINE_MODES = ("ar", "pool0", "auto", "eqspec", "exspec")
+PLAIN = ("ar", "pool0", "hf")  # runs without a drafter, once per batch size
 FIXED = ("eqspec", "exspec")
 DRAFTER_NAMES = ("model",) + drafters.NAMES
 
@@ -133,9 +135,9 @@ def label(mode: str, k: int, drafter: str) -> str:
 def run_mode(target, draft, eos, reqs, mode, k, batch_size, drafter="model") -> Run:
     """One engine run. ``drafter``: the configuration (``model``, ``ngram``, ``model+suffix``, ...); the model-free
     drafters are built anew for every run (they hold per-job state)."""
-    names = parse_drafters(drafter) if mode != "ar" else []
+    names = parse_drafters(drafter) if mode not in PLAIN else []
     engine = Engine(target, draft if "model" in names else None, eos,
-                    EngineConfig(mode=mode, k=k, batch_size=batch_size, window=4 * batch_size),
+                    EngineConfig(mode="auto" if mode == "pool0" else mode, k=k, batch_size=batch_size),
                     lookups=drafters.make([n for n in names if n != "model"]))
     choose_s = [0.0]
     real_choose = engine._choose
@@ -474,7 +476,7 @@ def main() -> None:
     # The runs: (mode, k, drafter configuration); ar and hf once, auto once per configuration at K = max_k.
     plan = []
     for mode in args.modes:
-        if mode in ("ar", "hf"):
+        if mode in PLAIN:
             plan.append((mode, 0, ""))
         elif mode == "auto":
             plan += [(mode, max_k, config) for config in auto_configs]
