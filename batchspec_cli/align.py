@@ -92,6 +92,8 @@ class SlotCache:
     ``live`` slots' columns only (``None``: every row).
     """
 
+    growth = 0.5  # a growth adds at least this fraction of the capacity (geometric: bounded total copying)
+
     def __init__(self, n_slots: int, capacity: int, rows: int | None = None):
         self.n_slots = n_slots
         self.rows = n_slots if rows is None else rows  # slots the buffers hold (a prefix of the slots)
@@ -155,7 +157,7 @@ class SlotCache:
     def grow(self, needed: int, rows: int = 0) -> None:
         """Hold at least ``needed`` columns and ``rows`` slots, all layers or none.
 
-        Columns grow geometrically (by half, rounded up to 64) so that a job's growths cost a
+        Columns grow geometrically (by ``growth``, rounded up to 64 columns) so that a job's growths cost a
         bounded multiple of its final size; when that does not fit, to exactly what is
         needed; when that does not fit either, ``CacheFull`` is raised with the cache
         unchanged (halving the group cannot help: the buffer is the pool's, not the group's).
@@ -166,7 +168,8 @@ class SlotCache:
         if not self.keys:
             self.rows, self.capacity = rows, max(needed, self.capacity)
             return
-        generous = -(-max(needed, self.capacity + self.capacity // 2) // 64) * 64 if needed > self.capacity else 0
+        step = int(self.capacity * self.growth)
+        generous = -(-max(needed, self.capacity + step) // 64) * 64 if needed > self.capacity else 0
         exact = max(-(-needed // 8) * 8, self.capacity)
         for new_cap in dict.fromkeys(c for c in (generous, exact) if c):
             try:

@@ -135,7 +135,9 @@ class Engine:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
         self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
-        self.strategy = (Pool(pool_window(cfg.batch_size, cfg.window), cfg.batch_size, cfg.min_group, cfg.trim)
+        # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
+        window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
+        self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
                          if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
