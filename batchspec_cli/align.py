@@ -87,8 +87,9 @@ class SlotCache:
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
-    ``capacity`` columns, both grown on demand (``reserve`` ahead of a need that is known,
-    ``update`` when a forward runs past the end). A growth allocates first, then copies the
+    ``capacity`` columns, both grown on demand (``grow``: by the pool ahead of a need that is
+    known, by ``update`` when a forward runs past the end; before the first forward it only
+    sets the size the buffers are allocated at). A growth allocates first, then copies the
     ``live`` slots' columns only (``None``: every row).
     """
 
@@ -139,20 +140,6 @@ class SlotCache:
         shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
         self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-
-    def reserve(self, rows: int, columns: int) -> None:
-        """Hold at least ``rows`` slots and ``columns`` columns (a known need: admission), all or nothing.
-
-        Before the first forward this only sets the size the buffers are allocated at. On
-        out-of-memory the cache is left as it was (``update`` grows to what a forward needs).
-        """
-        rows = min(self.n_slots, max(rows, self.rows))
-        columns = max(columns, self.capacity)
-        if not self.keys:
-            self.rows, self.capacity = rows, columns
-            return
-        if rows > self.rows or columns > self.capacity:
-            self._resize(rows, columns)
 
     def grow(self, needed: int, rows: int = 0) -> None:
         """Hold at least ``needed`` columns and ``rows`` slots, all layers or none.

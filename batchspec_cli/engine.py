@@ -24,6 +24,12 @@ one forward when it lags) and model-free ones that propose from host-side indexe
 behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
 ``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
 
+Which rows run together and which rows move where is decided by pure functions in
+``grouping`` (a ``StaticBatch`` strategy for ``ar``/``eqspec``, a ``Pool`` for
+``exspec``/``auto``, each returning a ``MovePlan``); the ``pool.SlotPool`` owns every
+slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
+Without a drafter the pool holds one batch: rows that never speculate stay in step.
+
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
 round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
