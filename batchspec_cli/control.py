@@ -18,9 +18,10 @@ Each arm is judged by committed tokens per wall second over *windows* of at leas
 (admission, growth, realignment, the draft's catch-up, calibration): the clock is the wall
 clock from one round's end to the next's. A window's rate is the median over
 ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
-in PLAIN, tries SPEC after one window, and switches only when the challenger beats the
-incumbent's adjacent window by ``MARGIN``; a losing challenger is re-tested after
-``FIRST_RETEST`` incumbent windows, then after twice as many each time it loses again.
+in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
+in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
+re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
+loses again.
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -39,11 +40,13 @@ flatter speculation, so a drafter's k is tried one step past the largest k it ha
 measured at, and every ``EXPLORE_EVERY`` rounds of a group size the near-best option
 measured longest ago runs instead.
 
-Catch-up: a draft model's cache lags behind rows that ran plain steps. A model round feeds
-the missing columns in its first forward; the round's measured time includes it, so while
-the policy keeps leaving the draft behind the catch-up shows in the option's cost as the
-recurring cost it is. A lag beyond that is charged at the calibrated cost per column, spread
-over the rounds the rows have left.
+Catch-up: a draft model's cache lags behind rows that ran plain steps (a PLAIN window
+leaves it behind; SPEC's window pays for bringing it up to date, on its wall clock). A model
+round feeds the missing columns in its first forward; once an option has a real
+measurement, the rounds' measured times include their catch-up, so while the policy keeps
+leaving the draft behind the catch-up shows in the option's cost as the recurring cost it
+is (a long catch-up is never an option's first measurement). The lag a group has now is
+charged at the calibrated cost per column, spread over the rounds the rows have left.
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ PLAIN, SPEC = "plain", "spec"
 WINDOW_ROUNDS = 10  # a window has at least this many rounds ...
 WINDOW_SECONDS = 2.0  # ... and lasts at least this long (wall clock)
 SUB_WINDOWS = 5  # a window's rate: the median of this many consecutive slices (one stall cannot decide)
-MARGIN = 1.03  # a challenger must beat the incumbent's adjacent window by this to take over
-FAR_BEHIND = 0.90  # a challenger's first window this far behind ends its trial at once (else it gets a second)
+MARGIN = 1.03  # a challenger takes over when two windows in a row beat the incumbent's last one by this
 FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses
 
 
@@ -288,9 +290,10 @@ class Arms:
     """Which whole policy runs, PLAIN or SPEC, judged by committed tokens per wall second over windows.
 
     The *incumbent* runs until its wait is over; then the other arm (the *challenger*) runs a
-    trial of one window, or two when the first was neither a clear win nor far behind. A
-    challenger window at least ``MARGIN`` x the incumbent's adjacent window wins; otherwise the
-    incumbent resumes and waits twice as long before the next trial.
+    trial: one window, and a second one when the first beat the incumbent's adjacent window
+    by ``MARGIN``. Two such wins in a row and the challenger takes over (one lucky window,
+    or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
+    twice as long as last time before the next trial.
     """
 
     def __init__(self):
@@ -324,11 +327,11 @@ class Arms:
                 self.arm, self.trial = other, 0
             return
         self.trial += 1
-        if rate >= MARGIN * self.baseline:  # a clear win: the challenger takes over, the loser is re-tested later
+        if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
+            self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
+        elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
             self.incumbent, self.baseline = self.arm, rate
             self.wait, self.interval = FIRST_RETEST, 2 * FIRST_RETEST
-        elif self.trial >= 2 or rate < FAR_BEHIND * self.baseline:
-            self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
 
 
 # ---------------------------------------------------------------------------- the policies
@@ -479,7 +482,10 @@ class Goodput(FixedK):
         choice = report.choice
         option = (choice.source if choice.k else "", choice.k)
         group, context = report.group, report.context
-        if (group, option) not in self.measured and option != ("", 0):
+        first = (group, option) not in self.measured
+        if first and report.fed > self.k + 1:
+            return None  # a long catch-up (the draft left behind by plain windows) is no first measure of the option
+        if first and option != ("", 0):
             self.rounds.replace(group, context, option, report.seconds)
             weight = 1.0
         else:

@@ -21,8 +21,9 @@ how it is brought into one rectangle, and which k it runs:
 
 Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
 one forward when it lags) and model-free ones that propose from host-side indexes, all
-behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
-``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens
+are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
+mode, drafter or k changes an output.
 
 Which rows run together and which rows move where is decided by pure functions in
 ``grouping`` (a ``StaticBatch`` strategy for ``ar``/``eqspec``, a ``Pool`` for
@@ -385,8 +386,9 @@ class Engine:
         T = st.end[slots[0]]
         sel = selection(slots, self.device)
         pad = self.pool.pads(slots)  # [G]
-        if self.policy.wants_seed():
+        if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, sel, pad, T))
+            clock.mark("calibrated")
         proposals = self._lookup_proposals(slots)
         choice = self._choose(slots, proposals)
         k = choice.k
@@ -416,10 +418,12 @@ class Engine:
         committed, results = self._bookkeep(slots, draft, committed)
         ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
+        calibrate_s = clock.seconds("prepared", "calibrated")
         report = RoundReport(
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
-            seconds=ended - started - prepare_s, prepare_s=prepare_s, elapsed_s=ended - self.round_ended,
+            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
+            elapsed_s=ended - self.round_ended,
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended = ended
         window = self.policy.observe(report)

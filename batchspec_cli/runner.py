@@ -253,7 +253,7 @@ class Generation:
         self._unsaved_stats: list[StepStats] = []
         self._last_save = time.monotonic()
         self._step_offset = 0
-        self._pending: list[RowResult] = []  # error rows found while feeding the engine
+        self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
         self._bucket_left: dict[int, int] = {}  # bucket -> rows handed out and not finished
         self._bucket_errors: dict[int, int] = {}
         self._bucket_rows: dict[int, int] = {}
@@ -493,7 +493,7 @@ class Generation:
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
-        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _pending."""
+        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
         cfg = self.cfg
         temperature, seed, max_new = (self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens"))
         skip = set(self.results)
@@ -517,7 +517,7 @@ class Generation:
                 self._bucket_left[bucket.index] = self._bucket_left.get(bucket.index, 0) + 1
                 self._bucket_rows[bucket.index] = self._bucket_rows.get(bucket.index, 0) + 1
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
-                    self._pending.append(RowResult(
+                    self._prompt_errors.append(RowResult(
                         row, self.inp.ids[row], [], "error", prompt_tokens=len(prompt),
                         error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
                     continue
@@ -590,8 +590,8 @@ class Generation:
 
     def _drain(self) -> Iterator[RowResult | BucketDone]:
         """Error rows found while feeding the engine, then buckets that just completed."""
-        while self._pending:
-            result = self._pending.pop(0)
+        while self._prompt_errors:
+            result = self._prompt_errors.pop(0)
             self._record(result)
             yield result
         for bucket in sorted(self._sealed - self._announced):

@@ -105,8 +105,9 @@ def main() -> None:
             row[name] = {"seconds": times[name], "ratio_vs_ar": statistics.mean(passes), "passes": passes}
         row["auto_arms"] = arms.get("passes")
         out.append(row)
-        print(f"batch {batch:2}: " + "  ".join(f"{n} {row[n]['ratio_vs_ar']:.3f}x ({' / '.join(f'{p:.3f}' for p in row[n]['passes'])})"
-                                              for n in args.runs if n != "ar"), flush=True)
+        cells = [f"{n} {row[n]['ratio_vs_ar']:.3f}x ({' / '.join(f'{p:.3f}' for p in row[n]['passes'])})"
+                 for n in args.runs if n != "ar"]
+        print(f"batch {batch:2}: " + "  ".join(cells), flush=True)
         for i, ran in enumerate(row["auto_arms"] or []):
             print(f"          auto pass {i + 1}: " + "; ".join(
                 f"{arm} {v[0]:.1f} s in {v[1]} rounds, windows {v[2]} tok/s" for arm, v in ran.items()), flush=True)

@@ -63,6 +63,15 @@ def test_one_10x_stall_in_a_window_does_not_flip_the_choice(rates):
         assert drive(rates, 30, stall=stall) == calm, stall
 
 
+def test_one_lucky_challenger_window_is_not_a_switch():
+    arms = Arms()
+    for arm, rate in [(PLAIN, 100.0), (SPEC, 110.0), (SPEC, 101.0)]:  # a win, then not: plain resumes
+        assert arms.arm == arm
+        for _ in range(WINDOW_ROUNDS):
+            arms.record(rate * ROUND_S, ROUND_S)
+    assert arms.arm == PLAIN and arms.incumbent == PLAIN
+
+
 def test_close_arms_do_not_switch():
     """A challenger less than 3 % faster never takes over."""
     ran = drive({PLAIN: 100.0, SPEC: 102.0}, 30)

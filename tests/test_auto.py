@@ -160,6 +160,17 @@ def test_a_first_measurement_is_capped_like_any_other():
     assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(OUTLIER * 0.1)
 
 
+def test_a_long_catch_up_is_no_first_measurement_but_counts_once_the_option_is_measured():
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.0, 0.0)
+    caught_up = report(8, "model", 1, 0.25)
+    caught_up.fed = 200  # the draft was left behind by a plain window
+    policy.observe(caught_up)
+    assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(0.1)  # still the seed
+    policy.observe(report(8, "model", 1, 0.12))
+    policy.observe(caught_up)  # now a recurring cost in the moving average
+    assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(0.8 * 0.12 + 0.2 * 0.25)
+
+
 def test_costs_are_kept_per_context_length():
     """A long context's rounds do not price a short context's, and an unmeasured band borrows the nearest."""
     timings = Timings()
