@@ -189,7 +189,7 @@ class Engine:
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
-        self.pending: Request | None = None  # read from the stream, waiting for the next admission
+        self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
 
     def _check(self, req: Request) -> str | None:
@@ -218,7 +218,7 @@ class Engine:
         while free and not self.exhausted:
             chunk = []
             while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.pending = self.pending or next(stream, None), None
+                req, self.held_back = self.held_back or next(stream, None), None
                 if req is None:
                     self.exhausted = True
                     break
@@ -227,7 +227,7 @@ class Engine:
                     yield self._error_row(req, error)
                     continue
                 if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
-                    self.pending = req
+                    self.held_back = req
                     break
                 chunk.append(req)
             if chunk:
@@ -433,7 +433,8 @@ class Engine:
             accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
             pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
-            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3, gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
+            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
+            gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)

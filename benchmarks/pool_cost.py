@@ -4,13 +4,15 @@
     python benchmarks/pool_cost.py --batch-sizes 16 --runs ar pool0 "pool0[grow]" "pool0[grow25]"
 
 ``pool0`` is the pooled engine (``auto``'s pool, grouping and admission) with no drafter, so every
-round is a plain step. Both run the same bucketed Spec-Bench prompts in one process (ar, pool0,
-pool0, ar; ``--runs`` forward then backward) and must give the same tokens; ``pool0[variant]``
-runs the pool with another memory mechanism (``VARIANTS``) for comparison. The engine's pieces are timed by wrapping them on the
-instance's classes for the run: KV buffer allocation (``_allocate``) and growth (``_resize``, inside forwards
-and moves), realignment moves, group selection and planning, prefills, and the target's forwards
-(prefills and growth inside them included); "other" is the wall time outside forwards, moves and
-grouping (commit, bookkeeping, Python). Peak KV buffer bytes are read from the caches after the run.
+round is a plain step. The runs (``--runs``, default ar and pool0) go forward then backward in one
+process on the same bucketed Spec-Bench prompts and must give the same tokens; ``pool0[variant]``
+runs the pool with another memory mechanism (``VARIANTS``) for comparison. Pieces of the engine
+are timed by wrapping them for the run: KV buffer allocation (``_allocate``) and growth
+(``_resize``, inside forwards and moves), realignment moves, group selection and planning,
+prefills, and the target's forwards (prefills and growths inside them included); "other" is
+the wall time outside forwards, moves and grouping (commit, bookkeeping, Python). CPU time
+(``process_time``) is reported beside wall time: on a shared machine it is the steadier ratio.
+KV bytes are read from the caches after the run (they never shrink: the peak).
 A table for people, one JSON line last.
 """
 
@@ -137,7 +139,8 @@ def main() -> None:
     reqs = requests(prompt_ids, args.max_new_tokens)
     timed_run(target, eos, reqs[:2], "pool0", 2)  # warm-up
     keys = ["forward", "_prefill", "_resize", "realign", "select", "plan"]
-    print(f"{'run':15} {'batch':>5} {'wall s':>7} {'cpu s':>7} {'vs ar':>6} {'cpu vs ar':>9} {'rounds':>6} {'KV MB':>7} "
+    print(f"{'run':15} {'batch':>5} {'wall s':>7} {'cpu s':>7} {'vs ar':>6} {'cpu vs ar':>9} {'rounds':>6} "
+          f"{'KV MB':>7} "
           f"{'resizes':>7} " + " ".join(f"{k:>9}" for k in keys) + f" {'other':>7}")
     out = []
     for batch in args.batch_sizes:
@@ -149,15 +152,16 @@ def main() -> None:
         ar = {k: sum(r[k] for r in runs["ar"]) for k in ("wall_s", "cpu_s")}
         for mode, rs in runs.items():
             assert all(r["tokens"] == ref for r in rs), f"batch {batch}: {mode} differs from ar"
-            row = {"mode": mode, "batch": batch, **{k: sum(r.get(k, 0.0) for r in rs) / len(rs)
-                                                   for k in ["wall_s", "cpu_s", "rounds", "kv_bytes", "resizes"] + keys}}
+            mean = ["wall_s", "cpu_s", "rounds", "kv_bytes", "resizes"] + keys
+            row = {"mode": mode, "batch": batch, **{k: sum(r.get(k, 0.0) for r in rs) / len(rs) for k in mean}}
             row["other"] = row["wall_s"] - row["forward"] - row["realign"] - row["select"] - row["plan"]
             row["ratio"] = ar["wall_s"] / sum(r["wall_s"] for r in rs)  # throughput over ar's, same tokens
             row["cpu_ratio"] = ar["cpu_s"] / sum(r["cpu_s"] for r in rs)
             row["ratio_runs"] = [a["wall_s"] / r["wall_s"] for a, r in zip(runs["ar"][::-1], rs)]
             out.append(row)
             print(f"{mode:15} {batch:>5} {row['wall_s']:>7.2f} {row['cpu_s']:>7.2f} {row['ratio']:>6.3f} "
-                  f"{row['cpu_ratio']:>9.3f} {row['rounds']:>6.0f} {row['kv_bytes'] / 2**20:>7.1f} {row['resizes']:>7.0f} "
+                  f"{row['cpu_ratio']:>9.3f} {row['rounds']:>6.0f} {row['kv_bytes'] / 2**20:>7.1f} "
+                  f"{row['resizes']:>7.0f} "
                   + " ".join(f"{row[k]:>9.2f}" for k in keys) + f" {row['other']:>7.2f}", flush=True)
     print(json.dumps(out))
 
