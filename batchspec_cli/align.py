@@ -87,10 +87,13 @@ class SlotCache:
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
-    ``capacity`` columns, both grown on demand (``reserve`` ahead of a need that is known,
-    ``update`` when a forward runs past the end). A growth allocates first, then copies the
+    ``capacity`` columns, both grown on demand (``grow``: by the pool ahead of a need that is
+    known, by ``update`` when a forward runs past the end; before the first forward it only
+    sets the size the buffers are allocated at). A growth allocates first, then copies the
     ``live`` slots' columns only (``None``: every row).
     """
+
+    growth = 0.5  # a growth adds at least this fraction of the capacity (geometric: bounded total copying)
 
     def __init__(self, n_slots: int, capacity: int, rows: int | None = None):
         self.n_slots = n_slots
@@ -138,24 +141,10 @@ class SlotCache:
         self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
-    def reserve(self, rows: int, columns: int) -> None:
-        """Hold at least ``rows`` slots and ``columns`` columns (a known need: admission), all or nothing.
-
-        Before the first forward this only sets the size the buffers are allocated at. On
-        out-of-memory the cache is left as it was (``update`` grows to what a forward needs).
-        """
-        rows = min(self.n_slots, max(rows, self.rows))
-        columns = max(columns, self.capacity)
-        if not self.keys:
-            self.rows, self.capacity = rows, columns
-            return
-        if rows > self.rows or columns > self.capacity:
-            self._resize(rows, columns)
-
     def grow(self, needed: int, rows: int = 0) -> None:
         """Hold at least ``needed`` columns and ``rows`` slots, all layers or none.
 
-        Columns grow geometrically (by half, rounded up to 64) so that a job's growths cost a
+        Columns grow geometrically (by ``growth``, rounded up to 64 columns) so that a job's growths cost a
         bounded multiple of its final size; when that does not fit, to exactly what is
         needed; when that does not fit either, ``CacheFull`` is raised with the cache
         unchanged (halving the group cannot help: the buffer is the pool's, not the group's).
@@ -166,7 +155,8 @@ class SlotCache:
         if not self.keys:
             self.rows, self.capacity = rows, max(needed, self.capacity)
             return
-        generous = -(-max(needed, self.capacity + self.capacity // 2) // 64) * 64 if needed > self.capacity else 0
+        step = int(self.capacity * self.growth)
+        generous = -(-max(needed, self.capacity + step) // 64) * 64 if needed > self.capacity else 0
         exact = max(-(-needed // 8) * 8, self.capacity)
         for new_cap in dict.fromkeys(c for c in (generous, exact) if c):
             try:

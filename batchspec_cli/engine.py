@@ -25,6 +25,12 @@ behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or no
 are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
 mode, drafter or k changes an output.
 
+Which rows run together and which rows move where is decided by pure functions in
+``grouping`` (a ``StaticBatch`` strategy for ``ar``/``eqspec``, a ``Pool`` for
+``exspec``/``auto``, each returning a ``MovePlan``); the ``pool.SlotPool`` owns every
+slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
+Without a drafter the pool holds one batch: rows that never speculate stay in step.
+
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
 round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
@@ -136,7 +142,9 @@ class Engine:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
         self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
-        self.strategy = (Pool(pool_window(cfg.batch_size, cfg.window), cfg.batch_size, cfg.min_group, cfg.trim)
+        # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
+        window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
+        self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
                          if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
@@ -181,7 +189,7 @@ class Engine:
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
-        self.pending: Request | None = None  # read from the stream, waiting for the next admission
+        self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
 
     def _check(self, req: Request) -> str | None:
@@ -210,7 +218,7 @@ class Engine:
         while free and not self.exhausted:
             chunk = []
             while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.pending = self.pending or next(stream, None), None
+                req, self.held_back = self.held_back or next(stream, None), None
                 if req is None:
                     self.exhausted = True
                     break
@@ -219,7 +227,7 @@ class Engine:
                     yield self._error_row(req, error)
                     continue
                 if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
-                    self.pending = req
+                    self.held_back = req
                     break
                 chunk.append(req)
             if chunk:
@@ -425,7 +433,8 @@ class Engine:
             accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
             pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
-            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3, gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
+            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
+            gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)

@@ -191,7 +191,9 @@ class Pool:
 
     def __init__(self, window: int, batch_size: int, min_group: float, trim: bool):
         self.n_slots, self.batch_size = window, batch_size
-        self.admit_at = batch_size  # admitted rows form one same-length group
+        # Admitted rows form one same-length group: a whole batch at a time when the window has room for more
+        # than one; a window of one batch refills as soon as a quarter is free, as a static batch does.
+        self.admit_at = batch_size if window >= 2 * batch_size else max(1, batch_size // 4)
         self.min_group, self.trim = min_group, trim
 
     def select(self, view: Slots, size: int, step: int) -> list[int]:

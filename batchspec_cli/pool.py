@@ -8,10 +8,12 @@ needs them); the live set is changed by ``place``, ``move`` and ``free`` only. W
 move where is decided in ``grouping`` (a ``MovePlan``); ``move`` carries a plan out with
 ``align.realign`` and the slot state as one unit, all or nothing.
 
-KV memory follows the live rows (see ``reserve``): a cache's columns are reserved, at
-admission, for what the admitted rows can reach (``end + max_new_tokens + k + 1``), so
-decoding never stops to grow the buffers; a growth copies only the live slots' filled
-columns.
+KV memory follows the rows (``reserve``): the caches' buffers hold only the slots rows
+were placed in (slots are taken lowest first, so that is about the live rows, never the
+window or the batch size when fewer rows exist), and their columns are reserved at
+admission for what the admitted rows can reach (``end + max_new_tokens + k + 1``), so
+decoding never stops to grow them. A growth (a later, longer bucket) allocates first and
+copies the live slots only; the buffers are zeroed once when allocated.
 """
 
 from __future__ import annotations
@@ -110,9 +112,9 @@ class SlotPool:
         for cache in (self.target, self.draft):
             if cache is not None:
                 try:
-                    cache.reserve(rows, columns)
-                except torch.OutOfMemoryError:
-                    cache.reserve(rows, cache.capacity)
+                    cache.grow(columns, rows)
+                except torch.OutOfMemoryError:  # CacheFull included: the slots alone, then
+                    cache.grow(cache.capacity, rows)
         self.layout.grow(columns)
 
     def _set_live(self, live: list[int]) -> None:
