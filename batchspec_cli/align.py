@@ -39,12 +39,15 @@ and the next round overwrites the stale columns after it.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .grouping import is_run
 
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
 
@@ -65,11 +68,6 @@ def device_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return host
 
 
-def is_run(slots: list[int]) -> bool:
-    """Whether the slots are one ascending contiguous run (the group reads views)."""
-    return slots == list(range(slots[0], slots[0] + len(slots)))
-
-
 def selection(slots: list[int], device: torch.device) -> Selection:
     """A slice when the slots are one ascending contiguous run (zero-copy views), else indices."""
     if is_run(slots):
@@ -78,25 +76,37 @@ def selection(slots: list[int], device: torch.device) -> Selection:
 
 
 class SlotCache:
-    """KV cache with one row per slot: per layer ``[slots, kv_heads, capacity, head_dim]``.
+    """KV cache with one row per slot: per layer ``[rows, kv_heads, capacity, head_dim]``.
 
     ``bind(sel, length)`` chooses the group and the column where the next forward writes;
     ``update`` (called by the model's attention layers) writes the new entries there and
     returns the group's keys/values up to the end of the new entries. With a slice
-    selection that is a view; with an index selection it is a gather, which is counted
-    (``gathered`` entries) and timed (``gather_s``) because assembling a group from the
-    pool is part of what EXSPEC pays for.
+    selection that is a view; with an index selection it is a gather, counted in ``gathered``
+    and timed in ``gather_s`` on the cache object only: no statistic reports them (the engine
+    moves every group into one slot range first, and ``StepStats.kv_gathered`` counts that move).
+
+    Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
+    addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
+    ``capacity`` columns, both grown on demand (``grow``: by the pool ahead of a need that is
+    known, by ``update`` when a forward runs past the end; before the first forward it only
+    sets the size the buffers are allocated at). A growth allocates first, then copies the
+    ``live`` slots' columns only (``None``: every row).
     """
 
-    def __init__(self, n_slots: int, capacity: int):
+    growth = 0.5  # a growth adds at least this fraction of the capacity (geometric: bounded total copying)
+
+    def __init__(self, n_slots: int, capacity: int, rows: int | None = None):
         self.n_slots = n_slots
+        self.rows = n_slots if rows is None else rows  # slots the buffers hold (a prefix of the slots)
         self.capacity = capacity
-        self.keys: list[torch.Tensor] = []  # per layer [slots, kv_heads, capacity, head_dim]
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
+        self.live: list[int] | None = None  # the slots whose entries a growth keeps (set by the pool)
         self.sel: Selection = slice(0, 0)
         self.length = 0
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
         self.gather_s = 0.0
+        self.copied_rows = 0  # slot rows copied by growths (per layer and tensor counted once)
 
     # -- the interface the model's attention layers call ------------------------------
     def bind(self, sel: Selection, length: int) -> None:
@@ -127,39 +137,58 @@ class SlotCache:
 
     # -- buffer management ------------------------------------------------------------
     def _allocate(self, like: torch.Tensor) -> None:
-        shape = (self.n_slots, like.shape[1], self.capacity, like.shape[3])
+        shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
         self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
-    def grow(self, needed: int) -> None:
-        """Enlarge every layer's capacity to at least ``needed`` columns, all layers or none.
+    def grow(self, needed: int, rows: int = 0) -> None:
+        """Hold at least ``needed`` columns and ``rows`` slots, all layers or none.
 
-        Grows by a quarter (rounded up to 64 columns), not by doubling: the buffer holds a
-        whole pool of rows, so overshooting the longest row costs window x layers x heads
-        columns of memory. When that does not fit, it grows to exactly what is needed; when
-        that does not fit either, ``CacheFull`` is raised with the cache unchanged (halving
-        the group cannot help: the buffer is the pool's, not the group's).
+        Columns grow geometrically (by ``growth``, rounded up to 64 columns) so that a job's growths cost a
+        bounded multiple of its final size; when that does not fit, to exactly what is
+        needed; when that does not fit either, ``CacheFull`` is raised with the cache
+        unchanged (halving the group cannot help: the buffer is the pool's, not the group's).
         """
-        generous = -(-max(needed, self.capacity + self.capacity // 4) // 64) * 64
-        exact = -(-needed // 8) * 8
-        for new_cap in dict.fromkeys((generous, exact)):
-            try:
-                fresh = [[self._new_buffer(old, new_cap) for old in buffers] for buffers in (self.keys, self.values)]
-            except torch.OutOfMemoryError:
-                if old_device_is_cuda(self.keys):
-                    torch.cuda.empty_cache()
-                continue
-            for buffers, new in zip((self.keys, self.values), fresh):  # nothing below allocates
-                for i, old in enumerate(buffers):
-                    new[i][:, :, : self.capacity] = old
-                buffers[:] = new
-            self.capacity = new_cap
+        rows = min(self.n_slots, max(rows, self.rows))
+        if needed <= self.capacity and rows <= self.rows:
             return
-        raise CacheFull(f"the KV cache of {self.n_slots} slots cannot grow to {needed} columns")
+        if not self.keys:
+            self.rows, self.capacity = rows, max(needed, self.capacity)
+            return
+        step = int(self.capacity * self.growth)
+        generous = -(-max(needed, self.capacity + step) // 64) * 64 if needed > self.capacity else 0
+        exact = max(-(-needed // 8) * 8, self.capacity)
+        for new_cap in dict.fromkeys(c for c in (generous, exact) if c):
+            try:
+                self._resize(rows, new_cap)
+                return
+            except torch.OutOfMemoryError:
+                continue
+        raise CacheFull(f"the KV cache of {rows} slots cannot grow to {needed} columns")
+
+    def _resize(self, rows: int, capacity: int) -> None:
+        """New buffers of ``rows`` x ``capacity`` holding the live slots' entries; all or nothing."""
+        try:
+            fresh = [[self._new_buffer(old, rows, capacity) for old in buffers] for buffers in (self.keys, self.values)]
+        except torch.OutOfMemoryError:
+            if old_device_is_cuda(self.keys):
+                torch.cuda.empty_cache()
+            raise
+        keep = list(range(self.rows)) if self.live is None else [s for s in self.live if s < self.rows]
+        if keep:  # nothing below allocates but this small index
+            run = keep == list(range(keep[0], keep[0] + len(keep)))
+            index = slice(keep[0], keep[0] + len(keep)) if run else device_tensor(keep, self.keys[0].device)
+            for buffers, new in zip((self.keys, self.values), fresh):
+                for i, old in enumerate(buffers):
+                    new[i][index, :, : self.capacity] = old[index]
+        for buffers, new in zip((self.keys, self.values), fresh):
+            buffers[:] = new
+        self.copied_rows += len(keep)
+        self.rows, self.capacity = rows, capacity
 
     @staticmethod
-    def _new_buffer(old: torch.Tensor, capacity: int) -> torch.Tensor:
-        return old.new_zeros(old.shape[0], old.shape[1], capacity, old.shape[3])
+    def _new_buffer(old: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+        return old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
 
     @property
     def n_layers(self) -> int:
@@ -168,16 +197,13 @@ class SlotCache:
 
 @dataclass
 class Layout:
-    """Per-slot layout of the committed tokens; the single source of masks and positions."""
+    """The committed token ids of every slot, left-padded; pads and ends are the pool's host values."""
 
     tokens: torch.Tensor  # [slots, capacity] committed token ids, left-padded
-    pad: torch.Tensor  # [slots] pad columns before the content
-    end: torch.Tensor  # [slots] padded length = column after the last committed token
 
     @classmethod
     def empty(cls, n_slots: int, capacity: int, device: torch.device) -> "Layout":
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
-        return cls(torch.zeros(n_slots, capacity, dtype=torch.long, device=device), zeros, zeros.clone())
+        return cls(torch.zeros(n_slots, capacity, dtype=torch.long, device=device))
 
     def grow(self, needed: int) -> None:
         """Allocate first, then swap: an out-of-memory error leaves the layout as it was."""
@@ -193,8 +219,6 @@ class Layout:
         for i, ids in enumerate(prompts):
             rows[i, end - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         self.tokens[slots, :end] = rows.to(self.tokens.device)
-        self.pad[slots] = torch.tensor([end - len(ids) for ids in prompts], device=self.pad.device)
-        self.end[slots] = end
 
 
 def attention_inputs(pad: torch.Tensor, start: int, n_new: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,14 +281,35 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(FOLDED_SDPA, _folded_sdpa)
-AttentionMaskInterface.register(FOLDED_SDPA, sdpa_mask)  # calls without a 4D mask build it as for SDPA
+def _register() -> None:
+    """Add ``_folded_sdpa`` to transformers' attention registries under its own name (no other entry changes)."""
+    AttentionInterface.register(FOLDED_SDPA, _folded_sdpa)  # idempotent
+    AttentionMaskInterface.register(FOLDED_SDPA, sdpa_mask)  # calls without a 4D mask build it as for SDPA
 
 
 def use_folded_sdpa(model) -> None:
-    """Switch a model that runs stock SDPA to ``_folded_sdpa`` (other implementations are left alone)."""
+    """Switch a model that runs stock SDPA to ``_folded_sdpa`` for good (other implementations are left alone).
+
+    This changes the caller's model; ``folded_sdpa`` does the same for a block of code only.
+    The first call registers the kernel in transformers' ``AttentionInterface`` as
+    ``"batchspec_sdpa"``, a name of its own.
+    """
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        _register()
         model.set_attn_implementation(FOLDED_SDPA)
+
+
+@contextmanager
+def folded_sdpa(*models):
+    """Run ``models`` with ``_folded_sdpa`` inside the block; each gets its own implementation back after it."""
+    switched = [m for m in models if getattr(m.config, "_attn_implementation", None) == "sdpa"]
+    for model in switched:
+        use_folded_sdpa(model)
+    try:
+        yield
+    finally:
+        for model in switched:
+            model.set_attn_implementation("sdpa")
 
 
 def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list[int], dst: list[int],
@@ -280,10 +325,11 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list
 
     All or nothing: every buffer that grows and every gathered copy is allocated before the
     first write, so an out-of-memory error leaves layout and caches as they were.
-    Returns the KV entries (token x layer) actually copied, counted from the index tensors used.
+    Returns each row's KV entries (token x layer, both caches) actually copied, counted from
+    the lengths the index tensors were built from.
     """
     if not src:
-        return 0
+        return []
     device = layout.tokens.device
     width = max(new_ends)
     shifts = [n - e for n, e in zip(new_ends, ends)]
@@ -293,8 +339,7 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list
     # 1. Allocate: grown buffers, index tensors, gathered copies.
     layout.grow(width)
     for cache, lags in caches:
-        if cache.n_layers and width - min(lags) > cache.capacity:
-            cache.grow(width - min(lags))
+        cache.grow(width - min(lags), rows=max(dst) + 1)
     # Columns past a row's own new end carry nothing; clamping keeps their (ignored) reads in bounds.
     tok_cols = (torch.arange(width, device=device)[None, :] - shift[:, None]).clamp(0, layout.tokens.shape[1] - 1)
     tokens = layout.tokens[src_t[:, None], tok_cols]  # [rows, width]
@@ -311,17 +356,15 @@ def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list
         dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
         src_col, src_row, dst_row = dst_col - shift[row], src_t[row], dst_t[row]
         gathered = [[_gather(layer, src_row, src_col) for layer in buffers] for buffers in (cache.keys, cache.values)]
-        moves.append((cache, dst_row, dst_col, gathered, total))
+        moves.append((cache, dst_row, dst_col, gathered, lengths))
     # 2. Write.
     layout.tokens[dst_t, :width] = tokens
-    layout.pad[dst_t] = device_tensor(new_pads, device)
-    layout.end[dst_t] = device_tensor(new_ends, device)
-    moved = 0
-    for cache, dst_row, dst_col, gathered, total in moves:
+    moved = [0] * len(src)
+    for cache, dst_row, dst_col, gathered, lengths in moves:
         for buffers, copies in zip((cache.keys, cache.values), gathered):
             for layer, copy in zip(buffers, copies):
                 layer[dst_row, :, dst_col] = copy
-        moved += total * cache.n_layers
+        moved = [m + n * cache.n_layers for m, n in zip(moved, lengths)]
     return moved
 
 

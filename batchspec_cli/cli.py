@@ -42,6 +42,7 @@ from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .io import InputError, check_distinct, one_line, stats_path_for
 from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError, os_error_message
+from .stats import acceptance_length
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
@@ -335,8 +336,9 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                         accepted, spec_rows = accepted + sum(event.accepted), spec_rows + event.batch_size
                     live_k = progress.tasks[0].fields["k"] if event.group_kind == "prefill" else \
                         f"{event.k}" + (f" {event.drafter}" if event.k else "")  # the round's k and drafter
+                    length = acceptance_length(accepted, spec_rows)
                     progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started),
-                                    acc=f"{1 + accepted / spec_rows:.2f}" if spec_rows else "-", k=live_k)
+                                    acc="-" if length is None else f"{length:.2f}", k=live_k)
                 elif isinstance(event, WorkerBlockDone):
                     worker = event.worker
                     log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows,
@@ -473,6 +475,10 @@ def stats_command(
     if overall.expected_gain is not None:
         console.print(f"auto: expected gain {overall.expected_gain:.2f}x, realised {overall.realised_gain:.2f}x "
                       f"(tokens per second over the modelled plain step's)", highlight=False)
+    for arm, a in overall.arms.items():
+        windows = ", ".join(f"{rate:.1f}" for rate in a.windows) or "none closed"
+        console.print(f"auto arm {arm}: ran {a.seconds:.1f} s in {a.rounds} rounds; its windows measured "
+                      f"{windows} tok/s", highlight=False)
 
 
 @app.command()

@@ -1,41 +1,60 @@
-"""The speculation policy: which drafter and which k a group runs this round (k = 0: a plain step).
+"""The speculation policy: *where k is chosen*. Which drafter and which k a group runs this round (k = 0: a plain step).
 
-Policy apart from mechanism: the round asks ``choose(...)`` before it drafts and reports
-what the round cost with ``observe_round``; nothing here touches a model or a tensor.
+Policy apart from mechanism: nothing here touches a model or a tensor. The engine talks to a
+policy through one interface (``Policy``):
 
-``auto`` maximises the expected committed tokens per second of the group (goodput, as
-SmartSpec/TurboSpec and vLLM's adaptive verification do), over the options plain, the draft
-model with k = 1..K, and the model-free drafters with k = 1..K:
+    policy.seed(calibration)       # bare-forward timings, when ``wants_seed()`` asks for them
+    policy.choose(group, sources)  # -> Choice: k, who drafts (and, for model-free drafts, per row)
+    policy.observe(report)         # -> what one round did (RoundReport), as measured
+
+``--mode ar|eqspec|exspec`` run ``FixedK``. ``--mode auto`` runs ``Auto``, which chooses between
+two whole policies (*arms*) by measured throughput (``Arms``):
+
+- PLAIN: k = 0 every round. No calibration and no draft prefill happen until SPEC is first tried.
+- SPEC: the per-round choice of drafter and k by expected goodput (``Goodput``).
+
+Each arm is judged by committed tokens per wall second over *windows* of at least
+``WINDOW_ROUNDS`` rounds and ``WINDOW_SECONDS`` seconds. Everything between two rounds counts
+(admission, growth, realignment, the draft's catch-up, calibration): the clock is the wall
+clock from one round's end to the next's. A window's rate is the median over
+``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
+in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
+in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
+re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
+loses again.
+
+Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
     goodput(option) = sum_i E_i(k) / cost(option)
     E_i(k)          = (1 - a_i^(k_i+1)) / (1 - a_i),  k_i = min(k, the row's draft length)
 
-``a_i`` is the row's own per-token acceptance for that drafter: a Beta estimate whose
-evidence decays by ``DECAY`` per round (it follows the row), with the job-wide estimate as
-its prior (a new row starts from what the job has seen).
+``a_i`` is the row's own per-token acceptance for that drafter (``Acceptance``): a Beta
+estimate whose evidence decays by ``DECAY`` per round, with the job-wide estimate as its
+prior. A row's model-free draft is the drafter whose proposal has the most expected accepted
+tokens, ``sum_j a^(j+1)`` (``rank``). ``cost(option)`` is a whole round in seconds at this
+group size and context length (``Timings``), as the round's own clock measured it, plus the
+realignment before the next round that speculation causes. Calibration seeds the options
+from bare forwards at the real group's size and context; an option's first real round
+replaces its seed, capped like any later measurement at ``OUTLIER`` x the estimate. Seeds
+flatter speculation, so a drafter's k is tried one step past the largest k it has been
+measured at, and every ``EXPLORE_EVERY`` rounds of a group size the near-best option
+measured longest ago runs instead.
 
-``cost(option)`` is the whole round in seconds at this group size, as the round's own clock
-measured it: drafting, verifying, bookkeeping, and the realignment of the rows' lengths that
-speculation drives apart (timed before the next round, charged to this one), not a bare
-forward. A short calibration at start-up
-seeds every option from bare forwards (the verify of k+1 tokens plus the draft's forwards);
-an option's first real round replaces its seed, and later rounds move it by a moving average.
-Seeds flatter speculation (a bare forward leaves out realignment and bookkeeping, which grow
-with k), so a drafter's k is tried one step past the largest k it has been measured at. An option that looks
-worse than it is would never be measured again, so every ``EXPLORE_EVERY`` rounds of a group
-size the near-best option measured longest ago runs instead (plain steps always qualify).
-Group sizes never measured are interpolated between measured ones.
-
-Catch-up: a draft model's cache lags behind rows that ran plain steps (or were admitted
-without a draft prefill). Before it can propose it is fed the missing columns in one
-forward, charged to the round at the calibrated cost per column, spread over the rounds the
-rows still have ahead (it serves all of them).
+Catch-up: a draft model's cache lags behind rows that ran plain steps (a PLAIN window
+leaves it behind; SPEC's window pays for bringing it up to date, on its wall clock). A model
+round feeds the missing columns in its first forward; once an option has a real
+measurement, the rounds' measured times include their catch-up, so while the policy keeps
+leaving the draft behind the catch-up shows in the option's cost as the recurring cost it
+is (a long catch-up is never an option's first measurement). The lag a group has now is
+charged at the calibrated cost per column, spread over the rounds the rows have left.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
+from typing import Protocol
 
 PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
@@ -46,6 +65,13 @@ NEAR_BEST = 0.85  # options within this share of the best goodput may be re-meas
 OUTLIER = 3.0  # a round measured at more than this x its estimate counts as this x
 JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
+PLAIN, SPEC = "plain", "spec"
+WINDOW_ROUNDS = 10  # a window has at least this many rounds ...
+WINDOW_SECONDS = 2.0  # ... and lasts at least this long (wall clock)
+SUB_WINDOWS = 5  # a window's rate: the median of this many consecutive slices (one stall cannot decide)
+MARGIN = 1.03  # a challenger takes over when two windows in a row beat the incumbent's last one by this
+FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a row commits in a round of k drafts: accepted drafts plus the correction or bonus."""
@@ -54,6 +80,95 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+# ---------------------------------------------------------------------------- the interface's dataclasses
+
+
+@dataclass
+class Group:
+    """The group the engine asks about."""
+
+    rows: list[int]  # [G] row ids
+    context: int  # the group's padded length (columns every forward of the round attends to)
+    remaining: float  # mean tokens the rows may still commit
+
+
+@dataclass
+class Offer:
+    """What one drafter offers a group this round."""
+
+    lengths: list[int] | None  # [G] draft tokens each row has (model-free drafters); None: k for every row
+    catch_up: int = 0  # columns the draft model's first forward must feed (2 when it is current)
+
+
+@dataclass
+class Choice:
+    """The policy's decision for one round, and what it expected of it."""
+
+    k: int
+    source: str = ""  # "model", "lookup" (the model-free drafters) or "" (k = 0)
+    drafters: list[str] | None = None  # [G] lookup: which drafter's proposal each row verifies ("" none)
+    expected_tokens: float = 0.0  # sum over rows of E_i(k)
+    expected_s: float = 0.0  # modelled cost of the round (0 when not modelled)
+    plain_s: float = 0.0  # modelled cost of a plain step for the same group (0 when not modelled)
+    arm: str = ""  # auto's arm (PLAIN or SPEC); "" for a fixed k
+
+
+@dataclass
+class Calibration:
+    """Bare forward timings at one group size and context (seconds)."""
+
+    group: int
+    context: int
+    verify: dict[int, float]  # width w -> a target forward of w tokens
+    draft: dict[int, float] | None  # width w -> a draft forward of w tokens (1: a draft step); None: no model
+
+
+@dataclass
+class RoundReport:
+    """What one round did, as measured. The policy learns from it; the step's ``StepStats`` are made from it."""
+
+    choice: Choice
+    context: int  # the group's padded length T
+    rows: list[int]  # [G] row ids
+    drafted: list[int]  # [G] draft tokens verified per row
+    drafters: list[str]  # [G] who drafted each row ("" none)
+    accepted: list[int]  # [G] drafts accepted and kept per row
+    emitted: list[int]  # [G] tokens committed per row (after stop cuts)
+    finished: list[int]  # row ids that ended this round
+    fed: int  # columns the draft model's first forward took (its catch-up); 0 without it
+    seconds: float  # the round's own clock, from its choice to its last bookkeeping
+    prepare_s: float  # bringing the group into one rectangle before the round
+    elapsed_s: float  # wall clock since the previous round ended (everything in between counts)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def group(self) -> int:
+        return len(self.rows)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.emitted)
+
+
+class Policy(Protocol):
+    def wants_seed(self) -> bool:
+        """Whether the engine should time bare forwards (``seed``) before the next choice."""
+
+    def seed(self, calibration: Calibration) -> None: ...
+
+    def wants_draft(self) -> bool:
+        """Whether newly admitted rows get a draft prefill now (else the draft catches up when it is needed)."""
+
+    def choose(self, group: Group, sources: dict[str, Offer]) -> Choice: ...
+
+    def observe(self, report: RoundReport) -> float | None:
+        """Learn from a round; returns the measured rate (tokens/s) of the window this round closed, if any."""
+
+
+# ---------------------------------------------------------------------------- acceptance and timings
 
 
 class Acceptance:
@@ -92,23 +207,51 @@ class Acceptance:
         self.rows.pop(row, None)
 
 
+def context_bin(context: int) -> int:
+    """Timings are kept per power-of-two band of context length (attention grows with it)."""
+    return max(1, context).bit_length()
+
+
 class Timings:
-    """Seconds per (group size, option) as moving averages; interpolated over group sizes."""
+    """Seconds per (option, context band, group size) as moving averages; interpolated over group sizes.
+
+    A context band never measured for an option borrows the nearest measured band (options
+    are compared at the same band, so their ratio, which decides, is kept)."""
 
     def __init__(self, ema: float = TIME_EMA):
         self.ema = ema
-        self.table: dict = {}  # option -> {group size -> seconds}
+        self.table: dict = {}  # option -> {context band -> {group size -> seconds}}
 
-    def observe(self, group: int, option, seconds: float) -> None:
-        """A moving average; one measurement counts for at most ``OUTLIER`` x the estimate (a stall elsewhere)."""
-        row = self.table.setdefault(option, {})
+    def observe(self, group: int, context: int, option, seconds: float) -> float:
+        """A moving average; one measurement counts for at most ``OUTLIER`` x the estimate (a stall elsewhere).
+        Returns the weight the measurement got."""
+        row = self.table.setdefault(option, {}).setdefault(context_bin(context), {})
         old = row.get(group)
-        row[group] = seconds if old is None else (1 - self.ema) * old + self.ema * min(seconds, OUTLIER * old)
+        if old is None:
+            row[group] = seconds
+            return 1.0
+        row[group] = (1 - self.ema) * old + self.ema * min(seconds, OUTLIER * old)
+        return self.ema
 
-    def get(self, group: int, option) -> float | None:
-        row = self.table.get(option)
-        if not row:
+    def replace(self, group: int, context: int, option, seconds: float) -> None:
+        """An option's first real round replaces its seed, capped like any other measurement."""
+        old = self.get(group, context, option)
+        self.table.setdefault(option, {}).setdefault(context_bin(context), {})[group] = (
+            seconds if old is None else min(seconds, OUTLIER * old))
+
+    def add(self, group: int, context: int, option, seconds: float) -> None:
+        row = self.table.get(option, {}).get(context_bin(context), {})
+        if group in row:
+            row[group] += seconds
+
+    def get(self, group: int, context: int, option) -> float | None:
+        bands = self.table.get(option)
+        if not bands:
             return None
+        band = context_bin(context)
+        if band not in bands:
+            band = min(bands, key=lambda b: (abs(b - band), b))
+        row = bands[band]
         if group in row:
             return row[group]
         sizes = sorted(row)
@@ -121,23 +264,77 @@ class Timings:
         return row[lo] + (row[hi] - row[lo]) * (group - lo) / (hi - lo)
 
 
-@dataclass
-class Choice:
-    """The policy's decision for one round, and what it expected of it."""
-
-    k: int
-    expected_tokens: float  # sum over rows of E_i(k)
-    expected_s: float  # modelled cost of the round (0 when not modelled)
-    plain_s: float  # modelled cost of a plain step for the same group (0 when not modelled)
+# ---------------------------------------------------------------------------- the arms
 
 
 @dataclass
-class Source:
-    """What one drafter offers a group this round."""
+class Window:
+    """One arm's rounds between two decisions: (tokens, seconds) per round."""
 
-    keys: list  # [G] acceptance keys (drafter name, row)
-    lengths: list[int] | None  # [G] draft tokens each row has (model-free drafters), None: k for every row
-    catch_up: int = 0  # columns the draft model's first forward must feed (2 when it is current)
+    arm: str
+    tokens: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def full(self) -> bool:
+        return len(self.tokens) >= WINDOW_ROUNDS and sum(self.seconds) >= WINDOW_SECONDS
+
+    def rate(self) -> float:
+        """Committed tokens per second: the median over ``SUB_WINDOWS`` consecutive slices of the rounds."""
+        n, parts = len(self.tokens), min(SUB_WINDOWS, len(self.tokens))
+        cuts = [round(i * n / parts) for i in range(parts + 1)]
+        return statistics.median(sum(self.tokens[a:b]) / max(sum(self.seconds[a:b]), 1e-9)
+                                 for a, b in zip(cuts, cuts[1:]))
+
+
+class Arms:
+    """Which whole policy runs, PLAIN or SPEC, judged by committed tokens per wall second over windows.
+
+    The *incumbent* runs until its wait is over; then the other arm (the *challenger*) runs a
+    trial: one window, and a second one when the first beat the incumbent's adjacent window
+    by ``MARGIN``. Two such wins in a row and the challenger takes over (one lucky window,
+    or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
+    twice as long as last time before the next trial.
+    """
+
+    def __init__(self):
+        self.incumbent = PLAIN
+        self.arm = PLAIN  # the arm running now
+        self.wait = 1  # incumbent windows left before the next trial (SPEC is first tried after one)
+        self.interval = FIRST_RETEST  # the wait after the next lost trial
+        self.trial = 0  # challenger windows run in the current trial
+        self.baseline = 0.0  # the incumbent's latest window rate
+        self.window = Window(PLAIN)
+        self.windows: list[tuple[str, float]] = []  # (arm, measured rate) of every closed window
+
+    def record(self, tokens: int, seconds: float) -> float | None:
+        """One round of the running arm; returns the window's rate when this round closes it."""
+        self.window.tokens.append(tokens)
+        self.window.seconds.append(seconds)
+        if not self.window.full():
+            return None
+        rate = self.window.rate()
+        self.windows.append((self.arm, rate))
+        self._decide(rate)
+        self.window = Window(self.arm)
+        return rate
+
+    def _decide(self, rate: float) -> None:
+        other = SPEC if self.incumbent == PLAIN else PLAIN
+        if self.arm == self.incumbent:
+            self.baseline = rate
+            self.wait -= 1
+            if self.wait <= 0:
+                self.arm, self.trial = other, 0
+            return
+        self.trial += 1
+        if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
+            self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
+        elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
+            self.incumbent, self.baseline = self.arm, rate
+            self.wait, self.interval = FIRST_RETEST, 2 * FIRST_RETEST
+
+
+# ---------------------------------------------------------------------------- the policies
 
 
 class FixedK:
@@ -147,108 +344,182 @@ class FixedK:
         self.k = k
         self.acceptance = Acceptance()
 
+    def wants_seed(self) -> bool:
+        return False
+
+    def seed(self, calibration: Calibration) -> None:
+        pass
+
     def wants_draft(self) -> bool:
         return self.k > 0
 
-    def expected(self, source: Source, k: int) -> float:
-        lengths = source.lengths or [k] * len(source.keys)
-        return sum(expected_tokens(self.acceptance.row(key), min(k, n)) for key, n in zip(source.keys, lengths))
+    def rank(self, group: Group, sources: dict[str, Offer]) -> tuple[list[str], list[int]]:
+        """Each row's model-free draft: the drafter with the most expected accepted tokens, ``sum_j a^(j+1)``
+        over its proposal (a on this row, for that drafter). Returns ([G] drafter or "", [G] its length)."""
+        names, lengths = [""] * len(group.rows), [0] * len(group.rows)
+        best = [0.0] * len(group.rows)
+        for name, offer in sources.items():
+            if name == "model":
+                continue
+            for i, (row, n) in enumerate(zip(group.rows, offer.lengths)):
+                alpha = self.acceptance.row((name, row))
+                value = sum(alpha ** (j + 1) for j in range(n))
+                if n and value > best[i]:
+                    names[i], lengths[i], best[i] = name, n, value
+        return names, lengths
 
-    def choose(self, group: int, sources: dict[str, Source], remaining: float) -> tuple[Choice, str]:
+    def expected(self, group: Group, names: list[str], lengths: list[int] | None, k: int) -> float:
+        lengths = lengths or [k] * len(group.rows)
+        return sum(expected_tokens(self.acceptance.row((name or "model", row)), min(k, n))
+                   for name, row, n in zip(names, group.rows, lengths))
+
+    def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
         """The draft model when there is one, else the model-free drafters; k every round."""
-        for name in ("model", "lookup"):
-            if name in sources and self.k:
-                return Choice(self.k, self.expected(sources[name], self.k), 0.0, 0.0), name
-        return Choice(0, float(group), 0.0, 0.0), ""
+        if self.k and "model" in sources:
+            names = ["model"] * len(group.rows)
+            return Choice(self.k, "model", None, self.expected(group, names, None, self.k))
+        names, lengths = self.rank(group, sources)
+        if self.k and any(lengths):
+            return Choice(self.k, "lookup", names, self.expected(group, names, lengths, self.k))
+        return Choice(0, expected_tokens=float(len(group.rows)))
 
-    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int, prepare_s: float) -> None:
-        pass
+    def observe(self, report: RoundReport) -> float | None:
+        for row, name, drafted, accepted in zip(report.rows, report.drafters, report.drafted, report.accepted):
+            if drafted:
+                self.acceptance.observe((name, row), drafted, accepted)
+        for row in report.finished:
+            self.acceptance.forget_row(row)
+        return None
 
 
-class AutoK(FixedK):
-    """``--mode auto``: the option (drafter, k) with the highest expected goodput for this group."""
+class Goodput(FixedK):
+    """Auto's SPEC arm: the option (drafter, k) with the highest expected goodput for this group."""
 
     def __init__(self, max_k: int):
         super().__init__(max_k)
-        self.rounds = Timings()  # (G, (source, k)) -> s of a whole round; ("", 0) is a plain step
+        self.rounds = Timings()  # (option, context, G) -> s of a whole round; ("", 0) is a plain step
         self.feed_per_column = 0.0  # s per column a lagging draft is fed (per row of the group: x G)
+        self.seeded = False
         self.measured: dict = {}  # (G, option) -> the round count at its last measurement
         self.count: dict[int, int] = {}  # G -> rounds chosen
         self.ladder: dict[str, int] = {}  # drafter -> largest k measured in a real round
-        self.pending = None  # (G, option, weight) of the last round, waiting for the next round's preparation
+        self.last_round = None  # (G, context, option, weight) of the last round: the next one's move is added
 
-    def calibrate(self, group: int, verify: dict[int, float], draft: dict[int, float] | None) -> None:
-        """Seed every option's cost from bare forward timings: verify[w] of w tokens, draft[w] of a draft
-        forward of w tokens (1: a draft step)."""
-        self.rounds.observe(group, ("", 0), verify[1])
+    def seed(self, calibration: Calibration) -> None:
+        """Seed every speculative option from bare forwards (plain steps are measured by real rounds)."""
+        c = calibration
+        self.seeded = True
+        verify, draft, top = c.verify, c.draft, self.k + 1
+        if self.rounds.get(c.group, c.context, ("", 0)) is None:  # normally measured by the rounds before
+            self.rounds.observe(c.group, c.context, ("", 0), verify.get(1, verify[2]))
         for k in range(1, self.k + 1):
-            self.rounds.observe(group, ("lookup", k), verify[k + 1])
+            self.rounds.observe(c.group, c.context, ("lookup", k), verify[k + 1])
             if draft:
-                self.rounds.observe(group, ("model", k), verify[k + 1] + draft[2] + (k - 1) * draft[1])
+                self.rounds.observe(c.group, c.context, ("model", k), verify[k + 1] + draft[2] + (k - 1) * draft[1])
         if draft and self.k > 1:
-            self.feed_per_column = max(0.0, draft[self.k + 1] - draft[2]) / (self.k - 1) / group
+            self.feed_per_column = max(0.0, draft[top] - draft[2]) / (self.k - 1) / c.group
 
     def wants_draft(self) -> bool:
-        """Whether newly admitted rows get a draft prefill now (else the draft catches up when it is needed)."""
         plain = self.rounds.table.get(("", 0))
         if not plain:
             return False
-        group = max(plain)
-        keys = [("model", -1)] * group  # no row's history: the job's estimate
-        _, best, _ = max(self._options(group, {"model": Source(keys, None, 2)}, 1.0), key=lambda o: o[0])
+        band = max(plain)
+        group = max(plain[band])
+        probe = Group([-1] * group, 1 << (band - 1), 1.0)  # no row's history: the job's estimate
+        _, best, _ = max(self._options(probe, {"model": Offer(None, 2)}), key=lambda o: o[0])
         return best.k > 0
 
-    def _cost(self, group: int, source: str, k: int, catch_up: int, per_round: float) -> float | None:
-        cost = self.rounds.get(group, (source if k else "", k))
+    def _cost(self, group: Group, source: str, k: int, catch_up: int, per_round: float) -> float | None:
+        size = len(group.rows)
+        cost = self.rounds.get(size, group.context, (source if k else "", k))
         if cost is not None and source == "model" and catch_up > 2:  # the extra columns serve the rows' rest
-            cost += (catch_up - 2) * self.feed_per_column * group * min(1.0, per_round)
+            cost += (catch_up - 2) * self.feed_per_column * size * min(1.0, per_round)
         return cost
 
-    def _options(self, group: int, sources: dict[str, Source], remaining: float):
-        """(goodput relative to a plain step, Choice, source name) of every option, plain first."""
+    def _options(self, group: Group, sources: dict[str, Offer]):
+        """(goodput relative to a plain step, Choice, source) of every option, plain first."""
+        size = len(group.rows)
         plain = self._cost(group, "", 0, 0, 1.0)
-        out = [(1.0, Choice(0, float(group), plain or 0.0, plain or 0.0), "")]
+        out = [(1.0, Choice(0, "", None, float(size), plain or 0.0, plain or 0.0), "")]
         if plain is None:
             return out
-        for name, source in sources.items():
-            longest = max(source.lengths) if source.lengths is not None else self.k
-            ladder = self.ladder.get(name, 0) + 1  # one k past the largest already measured (seeds flatter)
+        offers = {}
+        if "model" in sources:
+            offers["model"] = (["model"] * size, None, sources["model"].catch_up)
+        names, lengths = self.rank(group, sources)
+        if any(lengths):
+            offers["lookup"] = (names, lengths, 0)
+        for source, (names, lengths, catch_up) in offers.items():
+            longest = max(lengths) if lengths is not None else self.k
+            ladder = self.ladder.get(source, 0) + 1  # one k past the largest already measured (seeds flatter)
             for k in range(1, min(self.k, longest, ladder) + 1):
-                expected = self.expected(source, k)
-                per_round = expected / group / max(remaining, 1.0)  # this round's share of the rows' rest
-                cost = self._cost(group, name, k, source.catch_up, per_round)
+                expected = self.expected(group, names, lengths, k)
+                per_round = expected / size / max(group.remaining, 1.0)  # this round's share of the rows' rest
+                cost = self._cost(group, source, k, catch_up, per_round)
                 if cost:
-                    out.append(((expected / cost) / (group / plain), Choice(k, expected, cost, plain), name))
+                    choice = Choice(k, source, names if source == "lookup" else None, expected, cost, plain)
+                    out.append(((expected / cost) / (size / plain), choice, source))
         return out
 
-    def choose(self, group: int, sources: dict[str, Source], remaining: float) -> tuple[Choice, str]:
-        options = self._options(group, sources, remaining)
-        gain, choice, name = max(options, key=lambda o: o[0])
-        self.count[group] = count = self.count.get(group, 0) + 1
+    def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
+        options = self._options(group, sources)
+        gain, choice, _ = max(options, key=lambda o: o[0])
+        size = len(group.rows)
+        self.count[size] = count = self.count.get(size, 0) + 1
         if count % EXPLORE_EVERY == 0:  # re-measure the near-best option measured longest ago
             near = [o for o in options if o[0] >= NEAR_BEST * gain or o[1].k == 0]
-            _, choice, name = min(near, key=lambda o: self.measured.get((group, (o[2], o[1].k)), -1))
-        return choice, name
+            _, choice, _ = min(near, key=lambda o: self.measured.get((size, (o[2], o[1].k)), -1))
+        return choice
 
-    def observe_round(self, group: int, source: str, k: int, seconds: float, fed: int, prepare_s: float) -> None:
-        """A round's own clock: ``seconds`` from its choice to its last bookkeeping; ``prepare_s``: the time its
-        group took to be realigned before it, which the round before caused (speculation leaves rows at
-        different lengths, a plain step does not), so it is charged to that round's option."""
-        if self.pending is not None:  # the last round's entry took its seconds with this weight: add the move too
-            last_group, last_option, weight = self.pending
-            self.rounds.table[last_option][last_group] += weight * prepare_s
-            self.pending = None
-        if source == "model" and fed > self.k + 1:
-            return  # a long catch-up is not what the option costs round to round
-        option = (source if k else "", k)
-        self.pending = (group, option, self._record(group, option, seconds))
-
-    def _record(self, group: int, option, seconds: float) -> float:
-        """Enter a measurement; returns the weight it got in the option's estimate."""
+    def observe(self, report: RoundReport) -> float | None:
+        """A round's own clock. The realignment before a round (``prepare_s``) is caused by the round before it
+        (speculation leaves rows at different lengths, a plain step does not), so it is charged to that one."""
+        super().observe(report)
+        if self.last_round is not None:
+            group, context, option, weight = self.last_round
+            self.rounds.add(group, context, option, weight * report.prepare_s)
+            self.last_round = None
+        choice = report.choice
+        option = (choice.source if choice.k else "", choice.k)
+        group, context = report.group, report.context
         first = (group, option) not in self.measured
-        if first:  # the first real round replaces the bare-forward seed
-            self.rounds.table.setdefault(option, {}).pop(group, None)
-        self.rounds.observe(group, option, seconds)
+        if first and report.fed > self.k + 1:
+            return None  # a long catch-up (the draft left behind by plain windows) is no first measure of the option
+        if first and option != ("", 0):
+            self.rounds.replace(group, context, option, report.seconds)
+            weight = 1.0
+        else:
+            weight = self.rounds.observe(group, context, option, report.seconds)
         self.measured[(group, option)] = self.count.get(group, 0)
         self.ladder[option[0]] = max(self.ladder.get(option[0], 0), option[1])
-        return 1.0 if first else self.rounds.ema
+        self.last_round = (group, context, option, weight)
+        return None
+
+
+class Auto:
+    """``--mode auto``: PLAIN against SPEC by measured throughput (``Arms``); SPEC is ``Goodput``."""
+
+    def __init__(self, max_k: int):
+        self.k = max_k
+        self.arms = Arms()
+        self.spec = Goodput(max_k)
+
+    def wants_seed(self) -> bool:
+        return self.arms.arm == SPEC and not self.spec.seeded
+
+    def seed(self, calibration: Calibration) -> None:
+        self.spec.seed(calibration)
+
+    def wants_draft(self) -> bool:
+        return self.arms.arm == SPEC and self.spec.wants_draft()
+
+    def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
+        if self.arms.arm == PLAIN:
+            return Choice(0, expected_tokens=float(len(group.rows)), arm=PLAIN)
+        choice = self.spec.choose(group, sources)
+        choice.arm = SPEC
+        return choice
+
+    def observe(self, report: RoundReport) -> float | None:
+        self.spec.observe(report)  # acceptance, and the plain steps' cost, whichever arm ran
+        return self.arms.record(report.tokens, report.elapsed_s)

@@ -25,6 +25,7 @@ without it (``pip install 'batchspec[ray]'`` adds it).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .engine import pool_window
 from .events import Request, RowResult, StepStats
 from .runner import GenerateConfig, Generation, build_engine, use_kernels
 
@@ -81,6 +83,9 @@ class WorkerSpec:
     draft_spec: str | None  # the draft the driver resolved (the shipped one included), None for ar
     lookup_names: list[str]  # model-free drafters (each worker keeps its own index over the blocks it runs)
     threads: int
+    # A resumed job's saved rows (prompt, completion or None), in run order: every worker's drafters learn them
+    # first, as the drafters of an uninterrupted run had learnt them from the rows it ran.
+    preload: tuple = ()
 
 
 def make_blocks(requests: Iterable[Request], block_rows: int) -> list[list[Request]]:
@@ -115,6 +120,9 @@ class Worker:
         eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
         # run() resets the rows' state; the policy's timings and the drafters' indexes carry over between blocks
         self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids, spec.lookup_names)
+        for drafter in self.engine.lookups:
+            for prompt, completion in spec.preload:
+                drafter.preload(prompt, completion)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
@@ -165,7 +173,7 @@ class RayExecutor:
         self.job, self.rcfg = job, rcfg
         cfg = job.cfg
         self.threads = cfg.threads or 1
-        self.block_rows = rcfg.block_rows or cfg.window or 4 * cfg.batch_size
+        self.block_rows = rcfg.block_rows or pool_window(cfg.batch_size, cfg.window)
         self.spec = WorkerSpec(cfg=cfg, mode=job.mode, draft_spec=job.draft_spec, lookup_names=job.lookup_names,
                                threads=self.threads)
         self.owns_ray = False
@@ -232,7 +240,7 @@ class RayExecutor:
         context.execution_options.preserve_order = False  # blocks come back as they finish
         items = [{"block": i, "requests": pickle.dumps(b)} for i, b in enumerate(blocks)]
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            Worker, fn_constructor_kwargs={"spec": self.spec}, batch_size=1,
+            Worker, fn_constructor_kwargs={"spec": self.worker_spec()}, batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks))),
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
@@ -253,6 +261,10 @@ class RayExecutor:
                     event.step += base
                     step = max(step, event.step)
                 yield event
+
+    def worker_spec(self) -> WorkerSpec:
+        """The spec every worker is built from, once the job's requests were read (their saved rows included)."""
+        return dataclasses.replace(self.spec, preload=tuple(self.job.preloads))
 
     def _arrivals(self, ds) -> Iterator[dict]:
         """The dataset's output rows as they arrive; ends early once the job is asked to stop.

@@ -1,10 +1,19 @@
-"""Model-free drafters for the engine: ``ngram`` (prompt lookup) and ``suffix`` (a job-wide index).
+"""Drafters behind one protocol: the draft model (``ModelDrafter``), ``ngram`` and ``suffix``.
 
-Both follow ``engine.LookupDrafter``: the engine tells them a row's prompt at admission
-(``admit``), its committed tokens after every round (``extend``) and its end (``finish``),
-and asks for up to k tokens for each row of a group (``propose``); a row may get fewer,
-or none. They cost no forward; the data structures are in ``lookup``.
+Every drafter proposes up to k tokens for each row of a group and knows nothing of the
+policy (which drafter a row verifies, and which k, is chosen in ``control``)::
 
+    drafter.propose(rows, k) -> Proposal(tokens [G, k], lengths [G], source)
+
+A row may get fewer than k tokens, or none (``lengths``; ``tokens`` holds filler past them).
+The engine tells the model-free drafters a row's prompt at admission (``admit``), its
+committed tokens after every round (``extend``) and its end (``finish``); ``preload``
+rebuilds what an interrupted run had learnt from a saved row (a resumed job's rows), so a
+resumed run drafts as the uninterrupted one would. The draft model learns nothing from
+text outside its KV cache, so those calls are no-ops for it.
+
+- ``model``: k greedy/coupled steps of the draft model over its persistent slot cache; its
+  first forward feeds every column the cache has not seen (the catch-up).
 - ``ngram``: the longest suffix (2..4 tokens) of the row's own prompt and completion that
   occurred earlier in it, and the tokens that followed its latest occurrence.
 - ``suffix``: the row's own text plus an index over every prompt admitted and every
@@ -12,15 +21,113 @@ or none. They cost no forward; the data structures are in ``lookup``.
   drafted while the running product of its frequencies stays above ``min_prob``. Its
   memory is bounded (``lookup.SuffixIndex``: oldest documents are evicted first).
 
-``preload`` rebuilds what an interrupted run had indexed (a resumed job's saved rows), so
-that a resumed run drafts as the uninterrupted one would.
+Model-free drafts cost no forward; the data structures are in ``lookup``.
 """
 
 from __future__ import annotations
 
-from . import lookup
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from . import lookup, sampling
+from .align import Selection, SlotCache, group_forward
 
 NAMES = ("ngram", "suffix")
+
+
+@dataclass
+class Rows:
+    """The group a drafter proposes for. The model-free drafters read ``ids`` alone."""
+
+    ids: list[int]  # [G] row ids
+    sel: Selection | None = None  # the group's slots (the draft model's cache rows)
+    tokens: torch.Tensor | None = None  # [G, T] the group's committed tokens, left-padded
+    pad: torch.Tensor | None = None  # [G] left padding
+    reach: int = 0  # the draft cache covers columns [0, reach) of every row of the group
+    pick: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # (logits [G, 1, V], draft position j) -> [G, 1]
+
+
+@dataclass
+class Proposal:
+    """One drafter's drafts for a group: tokens [G, k] (filler past each row's length), lengths [G], who drafted."""
+
+    tokens: torch.Tensor  # [G, k] int64
+    lengths: list[int]  # [G] real drafts per row (host)
+    source: str  # "model", a model-free drafter's name, or their names joined for a merged proposal
+    fed: int = 0  # model: columns its first forward took (its catch-up)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, row: int, prompt: list[int]) -> None: ...
+
+    def extend(self, row: int, tokens: list[int]) -> None: ...
+
+    def finish(self, row: int, completion: list[int]) -> None: ...
+
+    def preload(self, prompt: list[int], completion: list[int] | None) -> None: ...
+
+    def propose(self, rows: Rows, k: int) -> Proposal: ...
+
+
+def _padded(drafts: list[list[int]], k: int, source: str) -> Proposal:
+    tokens = torch.tensor([d[:k] + [0] * (k - len(d[:k])) for d in drafts], dtype=torch.long).reshape(len(drafts), k)
+    return Proposal(tokens, [min(k, len(d)) for d in drafts], source)
+
+
+class ModelDrafter:
+    """The draft model and its slot cache (moved by realignment with the target's)."""
+
+    name = "model"
+
+    def __init__(self, model: torch.nn.Module, cache_kwarg: str, vocab: int):
+        self.model, self.cache_kwarg, self.vocab = model, cache_kwarg, vocab
+        self.cache: SlotCache | None = None  # set per run by the engine
+
+    def admit(self, row: int, prompt: list[int]) -> None:
+        pass
+
+    def extend(self, row: int, tokens: list[int]) -> None:
+        pass
+
+    def finish(self, row: int, completion: list[int]) -> None:
+        pass
+
+    def preload(self, prompt: list[int], completion: list[int] | None) -> None:
+        """Nothing to rebuild: the draft model learns nothing from finished rows."""
+
+    @torch.no_grad()
+    def prefill(self, sel: Selection, tokens: torch.Tensor, pad: torch.Tensor) -> None:
+        """Fill the cache rows ``sel`` with ``tokens`` [G, n] from column 0."""
+        group_forward(self.model, self.cache, self.cache_kwarg, sel, tokens, pad, 0, logits_to_keep=1)
+
+    @torch.no_grad()
+    def propose(self, rows: Rows, k: int) -> Proposal:
+        """k tokens per row; the first forward feeds every column the cache has not seen (at least the last two)."""
+        end = rows.tokens.shape[1]
+        start = max(0, min(rows.reach, end - 2))
+        inputs, fed = rows.tokens[:, start:end], end - start
+        drafts = []
+        for j in range(k):
+            logits = group_forward(self.model, self.cache, self.cache_kwarg, rows.sel, inputs, rows.pad, start,
+                                   logits_to_keep=1)[:, -1:]
+            token = rows.pick(self.to_target_vocab(logits), j)[:, 0]
+            drafts.append(token)
+            inputs, start = token[:, None], end + j
+        return Proposal(torch.stack(drafts, 1), [k] * len(rows.ids), "model", fed)
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Slice or pad draft logits [..., Vd] to the target's vocabulary size."""
+        logits = sampling.up_cast(logits)
+        extra = self.vocab - logits.shape[-1]
+        if extra < 0:
+            return logits[..., : self.vocab]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=torch.finfo(logits.dtype).min)
+        return logits
 
 
 class NgramDrafter:
@@ -39,8 +146,8 @@ class NgramDrafter:
     def finish(self, row: int, completion: list[int]) -> None:
         self.rows.pop(row, None)
 
-    def propose(self, rows: list[int], k: int) -> list[list[int]]:
-        return [self.rows[row].propose(k) for row in rows]
+    def propose(self, rows: Rows, k: int) -> Proposal:
+        return _padded([self.rows[row].propose(k) for row in rows.ids], k, self.name)
 
     def preload(self, prompt: list[int], completion: list[int] | None) -> None:
         """Nothing to rebuild: a row's lookup covers its own text only."""
@@ -50,11 +157,11 @@ class SuffixDrafter:
     name = "suffix"
 
     def __init__(self, **index_options):
-        self.job = lookup.SuffixDrafter(lookup.SuffixIndex(**index_options) if index_options else None)
+        self.corpus = lookup.SuffixCorpus(lookup.SuffixIndex(**index_options) if index_options else None)
         self.rows: dict[int, lookup.SuffixRow] = {}
 
     def admit(self, row: int, prompt: list[int]) -> None:
-        self.rows[row] = self.job.open(prompt)
+        self.rows[row] = self.corpus.open(prompt)
 
     def extend(self, row: int, tokens: list[int]) -> None:
         self.rows[row].extend(tokens)
@@ -64,15 +171,26 @@ class SuffixDrafter:
         if state is not None:
             state.finish(add_to_index=bool(completion))
 
-    def propose(self, rows: list[int], k: int) -> list[list[int]]:
-        return [self.rows[row].propose(k) for row in rows]
+    def propose(self, rows: Rows, k: int) -> Proposal:
+        return _padded([self.rows[row].propose(k) for row in rows.ids], k, self.name)
 
     def preload(self, prompt: list[int], completion: list[int] | None) -> None:
-        self.job.index.add(prompt)
+        self.corpus.index.add(prompt)
         if completion:
-            self.job.index.add(self.job.completion_document(prompt, completion))
+            self.corpus.index.add(self.corpus.completion_document(prompt, completion))
 
 
 def make(names: list[str]) -> list:
-    """Drafters by name, in a fixed order (the engine prefers none: each row takes the best proposal)."""
+    """Model-free drafters by name, in a fixed order (the policy ranks their proposals per row)."""
     return [{"ngram": NgramDrafter, "suffix": SuffixDrafter}[name]() for name in NAMES if name in names]
+
+
+def merge(proposals: dict[str, Proposal], drafters: list[str], k: int, device: torch.device) -> Proposal:
+    """One proposal of k columns from the model-free ones: row i takes ``drafters[i]``'s ("" none)."""
+    names = list(proposals)
+    stacked = torch.stack([p.tokens[:, :k] for p in proposals.values()])  # [P, G, k]
+    which = torch.tensor([names.index(d) if d else 0 for d in drafters])
+    tokens = stacked[which, torch.arange(len(drafters))]
+    lengths = [min(k, proposals[d].lengths[i]) if d else 0 for i, d in enumerate(drafters)]
+    label = ",".join(sorted({d for d, n in zip(drafters, lengths) if n}))
+    return Proposal(tokens.to(device), lengths, label)

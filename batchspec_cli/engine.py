@@ -16,35 +16,45 @@ how it is brought into one rectangle, and which k it runs:
   carry much padding (its longest row has left) is trimmed to its longest content in the
   same move.
 - ``auto``: EXSPEC grouping with the k of every round (0 = a plain step) chosen by the
-  policy in ``control`` from measured costs and each row's acceptance.
+  policy in ``control`` (plain against speculative decoding on measured throughput; inside
+  speculation, each round's drafter and k from measured costs and each row's acceptance).
 
-Drafters: a draft model (its own slot cache, caught up in one forward when it lags) and
-model-free ``LookupDrafter``s (``drafters``) that propose from host-side indexes; rows may
-get fewer than k drafts, or none. Tokens are chosen by the Gumbel-max coupling of
-``sampling`` (greedy rows: g = 0), so no choice of mode, drafter or k changes an output.
+Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
+one forward when it lags) and model-free ones that propose from host-side indexes, all
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens
+are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
+mode, drafter or k changes an output.
+
+Which rows run together and which rows move where is decided by pure functions in
+``grouping`` (a ``StaticBatch`` strategy for ``ar``/``eqspec``, a ``Pool`` for
+``exspec``/``auto``, each returning a ``MovePlan``); the ``pool.SlotPool`` owns every
+slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
+Without a drafter the pool holds one batch: rows that never speculate stay in step.
 
 One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
-1. draft, 2. verify in one target forward, 3. accept, 4. commit. Exactly one host sync
-per round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
+1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
+round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
+round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from . import drafters as drafting
 from . import sampling
-from .align import CacheFull, Layout, SlotCache, device_tensor, group_forward, is_run, realign, selection
-from .align import use_folded_sdpa
-from .control import AutoK, Choice, FixedK, Source
+from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
+from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
+from .drafters import ModelDrafter, Proposal, Rows
 from .events import Request, RowResult, StepStats
-from .logprobs import Recorder
-from .slots import SlotState
+from .grouping import MovePlan, Pool, StaticBatch
+from .logprobs import Recorder, RoundLogprobs
+from .pool import SlotPool
 
 StopChecker = Callable[[list[int], int, tuple[str, ...]], int | None]
 """(completion token ids so far, number of tokens added this round, the row's own stop strings)
@@ -53,8 +63,7 @@ StopChecker = Callable[[list[int], int, tuple[str, ...]], int | None]
 MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
-_TRIM_MIN, _TRIM_FRACTION = 16, 8  # trim shared padding of at least max(16, end / 8) columns
-_CALIBRATION_CONTEXT = 64  # auto's start-up timings run on a context of at most this many columns
+_CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns
 
 
 @dataclass
@@ -62,34 +71,24 @@ class EngineConfig:
     mode: str = "auto"  # auto | ar | eqspec | exspec
     k: int = 5  # draft tokens per round (auto: the most)
     batch_size: int = 8
-    window: int = 32  # pool size of exspec and auto
+    window: int | None = None  # pool size of exspec and auto (default: pool_window)
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
-    calibrate: bool = True  # auto: time the forwards briefly before the first prefill
     logprobs_mode: str = "raw"  # the distribution of the rows' log-probabilities (see logprobs.py)
+
+
+def pool_window(batch_size: int, window: int | None = None) -> int:
+    """The pool's size in rows (exspec, auto): ``window`` when given, else 4 x the batch size."""
+    return window or 4 * batch_size
 
 
 @dataclass
 class ModelHandle:
     model: torch.nn.Module
     cache_kwarg: str  # "cache" or "past_key_values"
-
-
-class LookupDrafter(Protocol):
-    """A model-free drafter: host-side indexes over prompts and completions, no forward."""
-
-    name: str
-
-    def admit(self, row: int, prompt: list[int]) -> None: ...
-
-    def extend(self, row: int, tokens: list[int]) -> None: ...
-
-    def finish(self, row: int, completion: list[int]) -> None: ...
-
-    def propose(self, rows: list[int], k: int) -> list[list[int]]: ...
 
 
 class Clock:
@@ -116,14 +115,14 @@ class Clock:
 
 
 @dataclass
-class Draft:
-    """One round's drafts: tokens [G, k] (filler past each row's length), per-row lengths, who drafted."""
+class Committed:
+    """What each row of a round committed, on the host (read at the round's one sync)."""
 
-    tokens: torch.Tensor | None  # [G, k] int64
-    lengths: list[int]  # [G] real drafts per row (host)
-    sources: list[str]  # [G] who drafted each row: "model", a lookup drafter's name, "" for none
-    source: str  # the step's label: "model", the lookup drafters' names, "" for k = 0
-    fed: int = 0  # tokens the draft model's first forward took (its catch-up)
+    emitted: list[int]  # [G] tokens committed: accepted drafts + the correction or bonus, cut at EOS / limit / stop
+    kept: list[int]  # [G] drafts accepted and kept
+    codes: list[int]  # [G] _RUNNING, _STOP, _LENGTH or _STOP_STRING
+    blocks: list[list[int]]  # [G, k+1] the round's tokens (accepted drafts, then the target's); first emitted count
+    logprobs: RoundLogprobs | None = None  # the log-probabilities of the rows that asked (logprobs.Recorder)
 
 
 def _contiguous_first(free: list[int], n: int) -> list[int]:
@@ -136,8 +135,8 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
-                 stop_checker: StopChecker | None = None, lookups: list[LookupDrafter] | None = None,
-                 policy: FixedK | None = None):
+                 stop_checker: StopChecker | None = None, lookups: list[drafting.Drafter] | None = None,
+                 policy: Policy | None = None):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
@@ -146,63 +145,57 @@ class Engine:
         if cfg.mode in ("eqspec", "exspec") and self.draft is None and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
-        for handle in (target, self.draft):  # multi-token forwards with a mask then copy no K/V
-            if handle is not None:
-                use_folded_sdpa(handle.model)
         self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
-        self.pooled = cfg.mode in ("exspec", "auto")
+        # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
+        window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
+        self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
+                         if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
-        self.n_slots = cfg.window if self.pooled else cfg.batch_size
+        self.n_slots = self.strategy.n_slots
         self.step_no = 0
+        self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
+                              if self.draft is not None and self.max_k > 0 else None)
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
-        if policy is not None:
-            self.policy, self.calibrated = policy, True
-        else:
-            self.policy = AutoK(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
-            self.calibrated = not (cfg.calibrate and isinstance(self.policy, AutoK))
+        if policy is None:
+            policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
+        self.policy: Policy = policy
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
+        """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only."""
         stream = iter(requests)
         self._reset()
-        while True:
-            yield from self._admit_from(stream)
-            if not self.live:
-                if self.exhausted:
-                    return
-                continue
-            slots = self._select()
-            self.group = slots
-            try:
-                yield from self._round(slots)
-            except torch.OutOfMemoryError as exc:
-                yield from self._out_of_memory(self.group, exc)
+        with folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)):
+            while True:
+                yield from self._admit_from(stream)
+                if not self.pool.live:
+                    if self.exhausted:
+                        return
+                    continue
+                slots = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
+                self.group = slots
+                try:
+                    yield from self._round(slots)
+                except torch.OutOfMemoryError as exc:
+                    yield from self._out_of_memory(self.group, exc)
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
-        n, cap, dev = self.n_slots, 64, self.device
-        self.layout = Layout.empty(n, cap, dev)
-        self.tcache = SlotCache(n, cap)
-        self.dcache = SlotCache(n, cap) if self.draft is not None and self.max_k > 0 else None
-        self.state = SlotState.empty(n, dev)
-        self.live: list[int] = []
+        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.model_drafter is not None)
+        self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
+        self.tcache, self.dcache = self.pool.target, self.pool.draft
+        if self.model_drafter is not None:
+            self.model_drafter.cache = self.dcache
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
-        self.pending: Request | None = None  # read from the stream, waiting for the next admission
+        self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
+        self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
-
-    def _caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
-        """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
-        st = self.state
-        caches = [(self.tcache, [1] * len(slots))]
-        if self.dcache is not None:
-            caches.append((self.dcache, [st.end[s] - st.dend[s] for s in slots]))
-        return caches
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
@@ -224,50 +217,51 @@ class Engine:
         (continuous batching): the next round's ``_prepare`` realigns the batch, new rows
         included, into one rectangle.
         """
-        free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
-        chunk_min = self.cfg.batch_size if self.pooled else max(1, self.cfg.batch_size // 4)
-        if self.live and len(free) < min(chunk_min, self.n_slots):
+        free = self.pool.free_slots()
+        if self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
         while free and not self.exhausted:
             chunk = []
             while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.pending = self.pending or next(stream, None), None
+                req, self.held_back = self.held_back or next(stream, None), None
                 if req is None:
                     self.exhausted = True
                     break
                 error = self._check(req)
                 if error:
-                    yield RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+                    yield self._error_row(req, error)
                     continue
                 if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
-                    self.pending = req
+                    self.held_back = req
                     break
                 chunk.append(req)
             if chunk:
                 yield from self._admit(chunk, free)
-                free = [s for s in range(self.n_slots) if self.state.rows[s] is None]
+                free = self.pool.free_slots()
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
         started = time.perf_counter()
         st = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
-        if not self.calibrated:
-            self._calibrate(chunk, end)
         slots = _contiguous_first(free, len(chunk))
-        self.layout.place(device_tensor(slots, self.device), [r.prompt_ids for r in chunk], end, self.cfg.pad_id)
+        limits = [self._limit(r) for r in chunk]
+        try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
+            self.pool.reserve(slots, end + max(limits) + self.max_k + 1)
+        except torch.OutOfMemoryError:
+            self._empty_cache()
+            for req in chunk:
+                yield self._error_row(req, "out of memory: no room for this row's KV cache")
+            return
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
-        st.place(slots, chunk, end, keys, [self._limit(r) for r in chunk], self.device)
+        self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         self.logprobs.admit(chunk)
-        for slot in slots:
-            st.last_run[slot] = self.step_no
-        self.live = sorted(self.live + slots)
         for drafter in self.lookups:
             for req in chunk:
                 drafter.admit(req.row, req.prompt_ids)
 
         errors = self._prefill(slots, end)
-        if self.dcache is not None and self.policy.wants_draft():
+        if self.model_drafter is not None and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if st.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
@@ -286,12 +280,12 @@ class Engine:
         try:
             sel = selection(slots, self.device)
             group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel,
-                          self.layout.tokens[sel, : end - 1], self.layout.pad[sel], 0, logits_to_keep=1)
+                          self.layout.tokens[sel, : end - 1], self.pool.pads(slots), 0, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
             if len(slots) == 1:
-                return [self._drop(slots[0], "out of memory while prefilling this prompt alone")]
+                return [self._end_row(slots[0], "error", "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
             return self._prefill(slots[:half], end) + self._prefill(slots[half:], end)
 
@@ -302,8 +296,7 @@ class Engine:
             return
         sel = selection(slots, self.device)
         try:
-            group_forward(self.draft.model, self.dcache, self.draft.cache_kwarg, sel,
-                          self.layout.tokens[sel, : end - 2], self.layout.pad[sel], 0, logits_to_keep=1)
+            self.model_drafter.prefill(sel, self.layout.tokens[sel, : end - 2], self.pool.pads(slots))
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
@@ -325,83 +318,44 @@ class Engine:
 
     # ------------------------------------------------------------------ calibration (auto)
     @torch.no_grad()
-    def _calibrate(self, chunk: list[Request], end: int) -> None:
-        """Time the target's verify and the draft's forwards at the batch size, once, on throwaway caches.
+    def _calibrate(self, slots: list[int], sel, pad: torch.Tensor, T: int) -> Calibration:
+        """Bare forward timings for the policy's speculative options, when it first asks (``wants_seed``).
 
-        Verify widths 1, 2 and K+1 are timed (widths between are interpolated), and the
-        draft's step and first forwards, once each after a warm-up, on a context of at most
-        ``_CALIBRATION_CONTEXT`` columns. These only seed the policy: an option's first real
-        round replaces its seed. About ten short forwards, once per engine.
+        The target's verify of 2 and K+1 tokens runs on the group's own cache and context: it
+        writes columns from the last committed one on, which every later forward writes again
+        before anything reads them. The draft's step and first forwards (1, 2 and K+1 tokens)
+        run on a throwaway cache of ``_CALIBRATION_CONTEXT`` columns of the group's text. A
+        plain step's cost is what the real rounds measure. These only seed the policy: an
+        option's first real round replaces its seed.
         """
-        self.calibrated = True
-        group = min(self.cfg.batch_size, self.n_slots)
-        context = min(max(2, end), _CALIBRATION_CONTEXT)
         top = self.max_k + 1
-        ids = (chunk[0].prompt_ids * (context + top))[: context + top]
-        tokens = torch.tensor([ids] * group, device=self.device)  # [G, context + K+1]
-        pad = torch.zeros(group, dtype=torch.long, device=self.device)
-        sel = slice(0, group)
+        self.layout.grow(T + top)
 
-        def timed(handle: ModelHandle, cache: SlotCache, start: int, width: int, repeats: int = 1) -> float:
-            best = math.inf  # the least of a few: a one-off stall elsewhere on the machine must not set the shape
-            for _ in range(repeats):
-                self._sync()
-                began = time.perf_counter()
-                group_forward(handle.model, cache, handle.cache_kwarg, sel, tokens[:, start : start + width], pad,
-                              start)
-                self._sync()
-                best = min(best, time.perf_counter() - began)
-            return best
+        def timed(model, cache: SlotCache, kwarg: str, rows, tokens: torch.Tensor, row_pad, start: int) -> float:
+            self._sync()
+            began = time.perf_counter()
+            group_forward(model, cache, kwarg, rows, tokens, row_pad, start, logits_to_keep=1)
+            self._sync()
+            return time.perf_counter() - began
 
-        def curve(handle: ModelHandle, widths: list[int]) -> dict[int, float]:
-            cache = SlotCache(group, context + top + 8)
-            timed(handle, cache, 0, context, 1)  # the prefill, which also warms the kernels up
-            measured = {w: timed(handle, cache, context, w) for w in widths}
-            known = sorted(measured)
-            for w in range(1, top + 1):  # linear in between
-                if w not in measured:
-                    lo = max(x for x in known if x < w)
-                    hi = min(x for x in known if x > w)
-                    measured[w] = measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
-            return measured
-
-        verify = curve(self.target, sorted({1, 2, top}))
-        draft = curve(self.draft, sorted({1, 2, top})) if self.draft is not None else None
-        self.policy.calibrate(group, verify, draft)
-
-    # ------------------------------------------------------------------ grouping
-    def _select(self) -> list[int]:
-        """Choose the next group (sorted slots).
-
-        exspec/auto: the *core* is the largest group of rows with one padded length (the one
-        cheapest to bring into one slot range among equals), or the longest-waiting row's
-        group when a row starves. A core of at least ``min_group`` x the batch runs alone (no
-        realignment needed; its padding may still be trimmed, see ``_target_end``); a smaller
-        one is topped up with the rows closest to it in length (``_prepare`` realigns the
-        group to ``_target_end``, normally the core's length, so only the added rows move).
-        """
-        if not self.pooled:
-            return self.live[: self.max_group]
-        st = self.state
-        size = min(self.max_group, len(self.live))
-        oldest = min(self.live, key=lambda s: st.last_run[s])
-        starving = self.step_no - st.last_run[oldest] > 2 * max(1, self.n_slots // self.cfg.batch_size)
-        if starving:
-            end = st.end[oldest]
-            core = [oldest] + [s for s in self.live if st.end[s] == end and s != oldest][: size - 1]
-        else:
-            by_end = Counter(st.end[s] for s in self.live)
-            best_n = min(size, max(by_end.values()))
-            candidates = [[s for s in self.live if st.end[s] == e][:size]
-                          for e, n in sorted(by_end.items()) if min(n, size) == best_n]
-            core = min(candidates, key=self._assembly_cost)
-        if len(core) >= max(1, math.ceil(self.cfg.min_group * size)):
-            return sorted(core)
-        end, members = st.end[core[0]], set(core)
-        # Fillers: rows whose content fits the core's length first (only they move), nearest length first.
-        rest = sorted((s for s in self.live if s not in members),
-                      key=lambda s: (st.end[s] - st.pad[s] > end, abs(st.end[s] - end), s))
-        return sorted(core + rest[: size - len(core)])
+        last = self.layout.tokens[sel, T - 1 : T]  # [G, 1]
+        verify = {w: timed(self.target.model, self.tcache, self.target.cache_kwarg, sel, last.repeat(1, w), pad,
+                           T - 1) for w in sorted({2, top})}
+        for w in range(3, top):  # linear in between
+            verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
+        draft = None
+        if self.model_drafter is not None:
+            context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
+            tokens = self.layout.tokens[sel, T - context : T].repeat(1, 2 + top // context)  # [G, > context + K+1]
+            cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
+            whole = slice(0, group)
+            handle = self.draft
+            timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, :context], zeros, 0)  # prefill, warm-up
+            draft = {w: timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, context : context + w], zeros,
+                              context) for w in sorted({1, 2, top})}
+            for w in range(3, top):
+                draft[w] = draft[2] + (draft[top] - draft[2]) * (w - 2) / (top - 2)
+        return Calibration(len(slots), T, verify, draft)
 
     def _out_of_memory(self, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
@@ -416,21 +370,12 @@ class Engine:
         slots = [s for s in slots if self.state.rows[s] is not None]
         if isinstance(exc, CacheFull):
             longest = max(slots, key=lambda s: self.state.end[s] - self.state.pad[s])
-            yield self._drop(longest, f"out of memory: {exc}")
+            yield self._end_row(longest, "error", f"out of memory: {exc}")
             return
         if len(slots) > 1:
             self.max_group = max(1, len(slots) // 2)
             return
-        yield self._drop(slots[0], "out of memory even for this row alone")
-
-    def _drop(self, slot: int, error: str) -> RowResult:
-        req = self.state.rows[slot]
-        self.state.clear(slot)
-        self.live.remove(slot)
-        self.logprobs.pop(req.row)
-        for drafter in self.lookups:
-            drafter.finish(req.row, [])
-        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+        yield self._end_row(slots[0], "error", "out of memory even for this row alone")
 
     # ------------------------------------------------------------------ one round
     def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
@@ -439,21 +384,26 @@ class Engine:
         bucket = st.rows[slots[0]].bucket
         # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
         clock.mark("prepare")
-        slots, moved, gathered = self._prepare(slots)
+        plan = self.strategy.plan(self.pool.view(), slots)
+        moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
+        slots = plan.slots
         self.group = slots
         clock.mark("prepared")
-        T, G = st.end[slots[0]], len(slots)
+        T = st.end[slots[0]]
         sel = selection(slots, self.device)
-        pad = self.layout.pad[sel]
+        pad = self.pool.pads(slots)  # [G]
+        if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
+            self.policy.seed(self._calibrate(slots, sel, pad, T))
+            clock.mark("calibrated")
         proposals = self._lookup_proposals(slots)
-        choice, source = self._choose(slots, proposals)
+        choice = self._choose(slots, proposals)
         k = choice.k
         noise = self._noise(slots, sel, k)
         self.layout.grow(T + k + 2)
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
-            draft = self._draft(slots, sel, pad, T, k, source, proposals, noise)
+            draft, drafters = self._draft(slots, sel, pad, T, choice, proposals, noise)
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = self.layout.tokens[sel, T - 1 : T]
@@ -465,88 +415,71 @@ class Engine:
             logprobs = self.logprobs.device_values([st.rows[s] for s in slots], logits, target_tokens,
                                                    st.temperature[sel], st.top_k[sel], st.top_p[sel])
             if k:
-                lengths = None if source == "model" else device_tensor(draft.lengths, self.device)
+                lengths = None if choice.source == "model" else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
             else:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
-            host = self._commit(sel, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
-        results = self._bookkeep(slots, T, k, draft, host)
-        total = time.perf_counter() - started
-        verify_s, draft_s = clock.seconds("verify", "accepted"), clock.seconds("draft", "verify")
+            committed = self._commit(sel, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
+        rows = [st.rows[s].row for s in slots]
+        committed, results = self._bookkeep(slots, draft, committed)
+        ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
-        self.policy.observe_round(G, source, k, total - prepare_s, draft.fed, prepare_s)
+        calibrate_s = clock.seconds("prepared", "calibrated")
+        report = RoundReport(
+            choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
+            accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
+            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
+            elapsed_s=ended - self.round_ended,
+            draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
+        self.round_ended = ended
+        window = self.policy.observe(report)
         live_in_group = [s for s in slots if st.rows[s] is not None]
         yield StepStats(
-            bucket=bucket, step=self._next_step(), group_kind=self._kind(moved), batch_size=G, k=k,
-            accepted=[row[1] for row in host], tokens_emitted=sum(row[0] for row in host), pad_before=pad_before,
+            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
+            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
             pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
-            draft_ms=draft_s * 1e3, verify_ms=verify_s * 1e3, realign_ms=(prepare_s if moved else 0.0) * 1e3,
-            gather_ms=(prepare_s if not moved else 0.0) * 1e3, total_ms=total * 1e3, drafter=draft.source,
-            drafted=sum(draft.lengths), expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
-            plain_ms=choice.plain_s * 1e3)
+            draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
+            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
+            gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
+            total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
+            expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+            plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
         yield from results
 
-    def _kind(self, moved: int) -> str:
+    def _kind(self, plan: MovePlan) -> str:
+        """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
         if self.cfg.mode == "ar":
             return "ar"
-        return "realigned" if moved else "same_length"
+        return "realigned" if plan.realigns else "same_length"
 
-    def _prepare(self, slots: list[int]) -> tuple[list[int], int, int]:
-        """Bring the group into one rectangle in one contiguous slot range.
-
-        Returns (slots, KV entries moved to realign, KV entries moved to assemble). exspec/auto:
-        a mixed group is brought to one padded length (the fallback), a same-length one loses
-        padding it no longer needs, a scattered one is moved together. ar/eqspec: every live
-        row is realigned to the longest content and compacted into slots 0..n-1 whenever the
-        rows' lengths differ (unpad -> append -> repad) or finished rows left holes.
-        """
-        st = self.state
-        if not self.pooled:
-            if len({st.end[s] for s in self.live}) > 1 or not is_run(self.live) or self.live[0] != 0:
-                moved = self._realign_group(list(self.live), None, compact=True)
-                return self.live[: len(slots)], moved, 0
-            return slots, 0, 0
-        new_end = self._target_end(slots)
-        if new_end is None and is_run(slots):
-            return slots, 0, 0
-        slots, n = self._assemble(slots, new_end)
-        return (slots, 0, n) if new_end is None else (slots, n, 0)
-
-    def _lookup_proposals(self, slots: list[int]) -> list[tuple[str, list[int]]] | None:
-        """Each row's best model-free draft (drafter name, tokens), by expected accepted tokens."""
+    def _lookup_proposals(self, slots: list[int]) -> dict[str, Proposal]:
+        """Every model-free drafter's proposal for the group (K columns), cut where a row's limit is reached."""
         if not self.lookups or not self.max_k:
-            return None
-        st = self.state
-        rows = [st.rows[s].row for s in slots]
-        room = [min(self.max_k, self._limit(st.rows[s]) - len(st.ids[s]) - 1) for s in slots]  # no draft past the end
-        acceptance = self.policy.acceptance
-        best = [("", [])] * len(slots)
-        score = [0.0] * len(slots)
-        for drafter in self.lookups:
-            for i, tokens in enumerate(drafter.propose(rows, self.max_k)):
-                tokens = tokens[: max(0, room[i])]
-                alpha = acceptance.row((drafter.name, rows[i]))
-                value = sum(alpha ** (j + 1) for j in range(len(tokens)))
-                if tokens and value > score[i]:
-                    best[i], score[i] = (drafter.name, tokens), value
-        return best
+            return {}
+        state = self.state
+        rows = Rows([state.rows[s].row for s in slots])
+        room = [max(0, min(self.max_k, self._limit(state.rows[s]) - len(state.ids[s]) - 1)) for s in slots]
+        proposals = {}
+        for drafter in self.lookups:  # no draft past the end
+            proposal = drafter.propose(rows, self.max_k)
+            proposal.lengths = [min(n, r) for n, r in zip(proposal.lengths, room)]
+            proposals[drafter.name] = proposal
+        return proposals
 
-    def _choose(self, slots: list[int], proposals) -> tuple[Choice, str]:
+    def _choose(self, slots: list[int], proposals: dict[str, Proposal]) -> Choice:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
-        st = self.state
-        rows = [st.rows[s].row for s in slots]
-        remaining = sum(self._limit(st.rows[s]) - len(st.ids[s]) for s in slots) / len(slots)
-        sources = {}
-        if proposals is not None and any(tokens for _, tokens in proposals):
-            sources["lookup"] = Source([(name or "lookup", row) for (name, _), row in zip(proposals, rows)],
-                                       [len(tokens) for _, tokens in proposals])
-        if self.dcache is not None:
-            sources["model"] = Source([("model", row) for row in rows], None,
-                                      st.end[slots[0]] - min(st.dend[s] for s in slots))
-        choice, source = self.policy.choose(len(slots), sources, remaining)
-        return choice, (source if choice.k else "")
+        state = self.state
+        rows = [state.rows[s].row for s in slots]
+        remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
+        sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
+        if self.model_drafter is not None:
+            sources["model"] = Offer(None, state.end[slots[0]] - min(state.dend[s] for s in slots))
+        choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
+        if not choice.k:
+            choice.source = ""
+        return choice
 
     def _noise(self, slots: list[int], sel, k: int):
         """(noise seeds [G, k+1], sampled flags, filter flags) for the round's positions; None when all greedy."""
@@ -561,7 +494,7 @@ class Engine:
 
     def _choose_tokens(self, logits: torch.Tensor, sel, noise, first: int) -> torch.Tensor:
         """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        logits = sampling.up_cast(logits)
         if noise is None:
             return logits.argmax(-1)
         base, sampled, filters = noise
@@ -569,43 +502,26 @@ class Engine:
         return sampling.gumbel_tokens(logits, st.temperature[sel], st.top_k[sel], st.top_p[sel],
                                       base[:, first : first + logits.shape[1]], sampled, filters)
 
-    def _draft(self, slots, sel, pad, T: int, k: int, source: str, proposals, noise) -> Draft:
+    def _draft(self, slots, sel, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
+               noise) -> tuple[Proposal, list[str]]:
+        """The round's drafts and [G] who drafted each row ("" none)."""
+        k = choice.k
         if not k:
-            return Draft(None, [0] * len(slots), [""] * len(slots), "")
-        if source == "model":
-            return self._draft_model(slots, sel, pad, T, k, noise)
-        names = {name for name, tokens in proposals if tokens}
-        lengths = [min(k, len(tokens)) for _, tokens in proposals]
-        filled = [tokens[:k] + [self.cfg.pad_id] * (k - len(tokens[:k])) for _, tokens in proposals]
-        sources = [name if n else "" for (name, _), n in zip(proposals, lengths)]
-        return Draft(device_tensor(filled, self.device), lengths, sources, ",".join(sorted(names)))
+            return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
+        if choice.source == "model":
+            rows = Rows([self.state.rows[s].row for s in slots], sel, self.layout.tokens[sel, :T], pad,
+                        min(self.state.dend[s] for s in slots),
+                        lambda logits, j: self._choose_tokens(logits, sel, noise, j))
+            return self.model_drafter.propose(rows, k), ["model"] * len(slots)
+        merged = drafting.merge(proposals, choice.drafters, k, self.device)
+        return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
-    def _draft_model(self, slots, sel, pad, T: int, k: int, noise) -> Draft:
-        """k tokens per row from the draft model; its first forward feeds every column it has not seen."""
-        model, cache, kwarg = self.draft.model, self.dcache, self.draft.cache_kwarg
-        start = max(0, min(min(self.state.dend[s] for s in slots), T - 2))
-        inputs, fed = self.layout.tokens[sel, start:T], T - start
-        drafts = []
-        for j in range(k):
-            logits = group_forward(model, cache, kwarg, sel, inputs, pad, start, logits_to_keep=1)[:, -1:]
-            token = self._choose_tokens(self._to_target_vocab(logits), sel, noise, j)[:, 0]
-            drafts.append(token)
-            inputs, start = token[:, None], T + j
-        return Draft(torch.stack(drafts, 1), [k] * len(slots), ["model"] * len(slots), "model", fed)
+    def _commit(self, sel, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
+                logprobs: torch.Tensor | None = None) -> Committed:
+        """Write the round's block and advance the rows; returns what each row committed, on the host.
 
-    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Slice or pad draft logits [..., Vd] to the target's vocabulary size."""
-        logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        extra = self.vocab - logits.shape[-1]
-        if extra < 0:
-            return logits[..., : self.vocab]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=torch.finfo(logits.dtype).min)
-        return logits
-
-    def _commit(self, sel, T: int, k: int, draft: Draft, n_acc: torch.Tensor, nxt: torch.Tensor,
-                extra: torch.Tensor | None = None) -> list[list[int]]:
-        """Write the round's block and advance the rows; returns per row [emitted, kept, code, *block, *extra].
+        ``logprobs``: [G, n] int64 columns of the rows' log-probabilities (``logprobs.Recorder``), carried
+        to the host in the same copy.
 
         Tokens kept stop at the first EOS of the set among the committed ones and at the
         row's limit. Everything is computed before the first write.
@@ -619,143 +535,58 @@ class Engine:
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
-        host = torch.cat([torch.stack([emitted, kept, code], 1), block] + ([] if extra is None else [extra]), 1)
+        extra = [] if logprobs is None else [logprobs]
+        on_host = torch.cat([torch.stack([emitted, kept, code], 1), block, *extra], 1).tolist()  # [G, 3 + k+1 + n]
         self.layout.tokens[sel, T : T + k + 1] = block
-        self.layout.end[sel] += emitted
         self.state.gen[sel] += emitted
-        return host.tolist()
+        columns = (list(column) for column in zip(*((r[0], r[1], r[2], r[3 : 4 + k]) for r in on_host)))
+        return Committed(*columns, Recorder.unpack(on_host, 4 + k, k + 1))
 
-    def _bookkeep(self, slots: list[int], T: int, k: int, draft: Draft,
-                  host: list[list[int]]) -> list[RowResult]:
-        """Host side of the commit: mirrors, completions, stop strings, acceptance, finished rows."""
-        st, finished = self.state, []
-        logprobs = self.logprobs.unpack(host, 3 + k + 1, k + 1)
-        for i, s in enumerate(slots):
-            emitted, kept, code, block = host[i][0], host[i][1], host[i][2], host[i][3 : 3 + k + 1]
-            st.end[s] += emitted  # before any stop-string cut: the layout's end on the device
-            st.last_run[s] = self.step_no + 1
-            if draft.source == "model":
-                st.dend[s] = st.end[s] - 2  # the draft is re-fed the last two committed tokens
-            row = st.rows[s].row
-            ids = st.ids[s]
-            ids.extend(block[:emitted])
+    def _bookkeep(self, slots: list[int], draft: Proposal,
+                  committed: Committed) -> tuple[Committed, list[RowResult]]:
+        """Host side of the commit: mirrors, completions, stop strings, finished rows.
+
+        Returns what the rows committed after stop-string cuts, and the rows that finished."""
+        state, finished = self.state, []
+        emitted, kept, codes = list(committed.emitted), list(committed.kept), list(committed.codes)
+        for i, slot in enumerate(slots):
+            block = committed.blocks[i]
+            self.pool.commit(slot, emitted[i], draft.source == "model", self.step_no + 1)
+            row = state.rows[slot].row
+            ids = state.ids[slot]
+            ids.extend(block[: emitted[i]])
             for drafter in self.lookups:
-                drafter.extend(row, block[:emitted])
+                drafter.extend(row, block[: emitted[i]])
             if self.stop_checker is not None:
-                cut = self.stop_checker(ids, emitted, st.rows[s].stop)
+                cut = self.stop_checker(ids, emitted[i], state.rows[slot].stop)
                 if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
-                    emitted -= len(ids) - cut
-                    kept = min(kept, emitted)
+                    emitted[i] -= len(ids) - cut
+                    kept[i] = min(kept[i], emitted[i])
                     del ids[cut:]
-                    code = _STOP_STRING
-            host[i][0], host[i][1] = emitted, kept
-            self.logprobs.record(row, logprobs, i, block[:emitted])
-            if draft.lengths[i]:
-                self.policy.acceptance.observe((draft.sources[i], row), draft.lengths[i], kept)
-            st.drafted[s] += draft.lengths[i]
-            st.accepted[s] += kept
-            st.rounds[s] += 1
-            if code != _RUNNING:
-                finished.append(self._finish(s, _REASONS[code]))
-        return finished
+                    codes[i] = _STOP_STRING
+            self.logprobs.record(row, committed.logprobs, i, block[: emitted[i]])
+            state.drafted[slot] += draft.lengths[i]
+            state.accepted[slot] += kept[i]
+            state.rounds[slot] += 1
+            if codes[i] != _RUNNING:
+                finished.append(self._end_row(slot, _REASONS[codes[i]]))
+        return Committed(emitted, kept, codes, committed.blocks, committed.logprobs), finished
 
-    def _finish(self, slot: int, reason: str) -> RowResult:
+    def _error_row(self, req: Request, error: str) -> RowResult:
+        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
+
+    def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
+        """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
         st = self.state
-        req, ids = st.rows[slot], st.ids[slot]
-        result = RowResult(req.row, req.id, list(ids), reason, drafted_tokens=st.drafted[slot],
-                           accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
-                           prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
-        st.clear(slot)
-        self.live.remove(slot)
+        req = st.rows[slot]
+        if error is None:
+            result = RowResult(req.row, req.id, list(st.ids[slot]), reason, drafted_tokens=st.drafted[slot],
+                               accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
+                               prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
+        else:
+            self.logprobs.pop(req.row)
+            result = self._error_row(req, error)
+        self.pool.free(slot)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
-        self.policy.acceptance.forget_row(req.row)
         return result
-
-    # ------------------------------------------------------------------ realignment
-    @torch.no_grad()
-    def _realign_group(self, slots: list[int], new_end: int | None, compact: bool) -> int:
-        """Give ``slots`` one padded length; ``new_end=None`` trims to the longest content.
-
-        With ``compact`` the rows are also moved to slots 0..n-1 (finished rows leave the
-        batch). Only rows whose slot or shift changes are touched.
-        """
-        st = self.state
-        if new_end is None:
-            new_end = max(2, max(st.end[s] - st.pad[s] for s in slots))
-        dst = list(range(len(slots))) if compact else list(slots)
-        return self._move([(s, d, new_end) for s, d in zip(slots, dst)])
-
-    def _target_end(self, slots: list[int]) -> int | None:
-        """The padded length an exspec group runs at, or None to keep the one its rows share.
-
-        Any end at or past the group's longest content is reachable (rows shift left into
-        their padding or right). Of those, the end most rows already have (fewest moved),
-        unless it leaves at least max(16, end / 8) pad columns in every row: then the
-        longest content. A pad column costs every later round an attention read per row
-        and layer (target and draft); a move copies a row's content once.
-        """
-        st = self.state
-        floor = max(2, max(st.end[s] - st.pad[s] for s in slots))  # the draft re-reads 2 columns
-        ends = Counter(st.end[s] for s in slots if st.end[s] >= floor)
-        end = max(ends.items(), key=lambda item: (item[1], -item[0]))[0] if ends else floor
-        if self.cfg.trim and end - floor >= max(_TRIM_MIN, end // _TRIM_FRACTION):
-            end = floor
-        if len(ends) == 1 and ends[end] == len(slots):
-            return None  # every row already ends there
-        return end
-
-    def _window_for(self, slots: list[int]) -> tuple[int, int]:
-        """(first slot, KV columns moved) of the contiguous range that takes ``slots`` most cheaply.
-
-        Moving the group into [a, a+G) moves every member outside the range and every other
-        live row inside it (it trades places with a member); each costs its content length
-        (``realign`` copies content only), so a long row stays put when a short one can move.
-        """
-        st = self.state
-        size, members = len(slots), set(slots)
-        content = [st.end[s] - st.pad[s] if st.rows[s] is not None else 0 for s in range(self.n_slots)]
-        # cost(a) = (members' content outside) + (other rows' content inside), from running sums over the slots
-        weight = [-content[s] if s in members else content[s] for s in range(self.n_slots)]
-        cost = sum(content[s] for s in slots) + sum(weight[:size])
-        best = (0, cost)
-        for a in range(1, self.n_slots - size + 1):
-            cost += weight[a + size - 1] - weight[a - 1]
-            if cost < best[1]:
-                best = (a, cost)
-        return best
-
-    def _assembly_cost(self, slots: list[int]) -> int:
-        return 0 if is_run(slots) else self._window_for(slots)[1]
-
-    @torch.no_grad()
-    def _assemble(self, slots: list[int], new_end: int | None) -> tuple[list[int], int]:
-        """Make an exspec group one contiguous slot range (views, no per-forward gathers).
-
-        With ``new_end`` the rows are also realigned to that padded length in the same
-        move (the mixed-length fallback). Returns the group's new slots and KV entries moved.
-        """
-        st = self.state
-        a, _ = self._window_for(slots)
-        target = range(a, a + len(slots))
-        incoming = [s for s in slots if s not in target]
-        opening = [d for d in target if d not in slots]  # as many as incoming
-        plan = [(s, s, new_end) for s in slots if s in target] + [(s, d, new_end) for s, d in zip(incoming, opening)]
-        if new_end is None:
-            plan = [(s, d, st.end[s]) for s, d, _ in plan]
-        # A live row in an opening slot trades places with the member that comes in.
-        plan += [(d, s, st.end[d]) for s, d in zip(incoming, opening) if st.rows[d] is not None]
-        return list(target), self._move(plan)
-
-    def _move(self, plan: list[tuple[int, int, int]]) -> int:
-        """Move rows (src slot, dst slot, new padded length): KV and layout first, then the slot state as a unit."""
-        st = self.state
-        moving = [(s, d, e) for s, d, e in plan if s != d or st.end[s] != e]
-        if not moving:
-            return 0
-        src, dst = [s for s, _, _ in moving], [d for _, d, _ in moving]
-        moved = realign(self.layout, self._caches(src), src, dst, [st.end[s] for s in src],
-                        [e for _, _, e in moving], [st.pad[s] for s in src])
-        st.move(moving, device_tensor(src, self.device), device_tensor(dst, self.device))
-        self.live = st.live()
-        return moved

@@ -6,8 +6,9 @@ Vocabulary (used across the package):
 - *accepted*: drafts equal to (greedy) or accepted against (sampling) the target.
 - *correction*: the target's own token at the first rejected position; *bonus*: the
   target's extra token when all k drafts were accepted. A round emits accepted + 1 tokens.
-- *acceptance length*: tokens emitted per round per row, **counting** the correction/bonus
-  token (= 1 + accepted / rounds).
+- *acceptance length*: tokens a row commits per speculative round (k > 0), **counting** the
+  correction/bonus token: 1 + accepted drafts / row-rounds of speculative rounds; plain steps
+  do not count (``stats.acceptance_length``, the one definition).
 - *group*: the rows that go through one round together; *pool*: the in-flight sequences
   of the EXSPEC runner; *realignment*: moving KV so a group is one left-padded rectangle.
 """
@@ -95,10 +96,12 @@ class StepStats:
     draft_ms: float
     verify_ms: float
     realign_ms: float
-    gather_ms: float  # time spent assembling groups from the pool (EXSPEC index reads)
+    gather_ms: float  # time spent moving a group's rows into one slot range without realigning them (assembly)
     total_ms: float
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
     expected_tokens: float = 0.0  # the policy's expected committed tokens for this round (before stops)
     expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
     plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group
+    arm: str = ""  # auto's arm for this round: "plain" (k = 0 throughout) or "spec"; "" for a fixed k
+    window_tokens_per_s: float = 0.0  # auto: the measured rate of the arm's window this round closed (0: none)

@@ -19,35 +19,26 @@ Vocabulary (defined once):
 
 Per-row objects (``PromptLookup``, ``SuffixRow``) share one narrow interface::
 
-    row.extend(tokens)          # committed tokens, in order
-    row.draft(k) -> Draft       # up to k tokens (maybe none) and their probs
-    row.propose(k) -> list[int] # the tokens alone
+    row.extend(tokens)             # committed tokens, in order
+    row.draft(k) -> LookupDraft    # up to k tokens (maybe none) and their probs
+    row.propose(k) -> list[int]    # the tokens alone
 
-and ``propose_batch(rows, k)`` / ``draft_batch(rows, k)`` run it for a batch of rows.
+``drafters`` wraps them in the engine's drafter protocol. The brute-force references the
+tests check them against live in ``tests/lookup_oracles.py``.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-__all__ = [
-    "Draft",
-    "PromptLookup",
-    "SuffixIndex",
-    "SuffixDrafter",
-    "SuffixRow",
-    "RowDrafter",
-    "propose_batch",
-    "draft_batch",
-]
+__all__ = ["LookupDraft", "PromptLookup", "SuffixIndex", "SuffixCorpus", "SuffixRow"]
 
 
 @dataclass
-class Draft:
+class LookupDraft:
     """A row's proposal for one round."""
 
     tokens: list[int] = field(default_factory=list)  # [n], n <= k; may be empty
@@ -58,27 +49,6 @@ class Draft:
     def score(self) -> float:
         """Expected number of accepted draft tokens under the probs (their sum)."""
         return sum(self.probs)
-
-
-class RowDrafter(Protocol):
-    """What the engine needs from a per-row model-free drafter."""
-
-    def extend(self, tokens: Sequence[int]) -> None: ...
-
-    def draft(self, k: int) -> Draft: ...
-
-
-def draft_batch(rows: Sequence[RowDrafter], k: int | Sequence[int]) -> list[Draft]:
-    """One ``Draft`` per row; ``k`` is one budget for all rows or one per row."""
-    ks = [k] * len(rows) if isinstance(k, int) else list(k)
-    if len(ks) != len(rows):
-        raise ValueError(f"got {len(ks)} budgets for {len(rows)} rows")
-    return [row.draft(k_row) for row, k_row in zip(rows, ks)]
-
-
-def propose_batch(rows: Sequence[RowDrafter], k: int | Sequence[int]) -> list[list[int]]:
-    """The draft tokens alone, one list per row (lengths may differ, may be 0)."""
-    return [d.tokens for d in draft_batch(rows, k)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,13 +135,13 @@ class PromptLookup:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the match."""
         return self.draft(k).tokens
 
-    def draft(self, k: int) -> Draft:
-        """``propose`` as a ``Draft``; probs are all 1.0 (prompt lookup has no estimate)."""
+    def draft(self, k: int) -> LookupDraft:
+        """``propose`` as a ``LookupDraft``; probs are all 1.0 (prompt lookup has no estimate)."""
         n, pos = self.match()
         if n == 0 or k <= 0:
-            return Draft(match=n)
+            return LookupDraft(match=n)
         out = _copy_forward(self.tokens, pos, k)
-        return Draft(tokens=out, probs=[1.0] * len(out), match=n)
+        return LookupDraft(tokens=out, probs=[1.0] * len(out), match=n)
 
 
 def _copy_forward(text: Sequence[int], pos: int, k: int) -> list[int]:
@@ -181,25 +151,6 @@ def _copy_forward(text: Sequence[int], pos: int, k: int) -> list[int]:
     while len(out) < k:
         out.append(out[len(out) - period])
     return out
-
-
-def _brute_prompt_lookup(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
-    """Reference for ``PromptLookup.propose``: scan every n and every earlier position."""
-    text = list(tokens)
-    size = len(text)
-    if k <= 0:
-        return []
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = text[size - n :]
-        for start in range(size - n - 1, -1, -1):  # latest first; start + n < size
-            if text[start : start + n] == suffix:
-                out = []
-                virtual = text[:]  # the text goes on as the copy
-                for i in range(k):
-                    virtual.append(virtual[start + n + i])
-                    out.append(virtual[-1])
-                return out
-    return []
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,8 +171,8 @@ class SuffixIndex:
     successor (a document's end, or depth ``max_depth``) the walk backs off to the longest
     shorter suffix that has one, so drafts can be longer than the depth. Every step thus
     uses the counts after the longest suffix (<= ``max_depth - 1`` tokens) of context +
-    draft that has a successor: ``_brute_suffix_draft`` is the reference, and counts are
-    exact over the retained documents (``_brute_suffix_counts``).
+    draft that has a successor: the brute-force references are in ``tests/lookup_oracles.py``; counts are
+    exact over the retained documents.
 
     Documents: ``add(tokens)`` starts a document, ``extend(tokens)`` appends to the newest
     one (how a row's own text grows). Keeping the trie's nodes for the suffixes of the
@@ -292,7 +243,7 @@ class SuffixIndex:
         """Rebuild (e.g. on resume) by adding ``documents`` in order: exactly repeated ``add``.
 
         Feed them in the order the run added them (for the drafter: each row's prompt, then
-        its completion document, see ``SuffixDrafter.resume``) to get the same index when
+        its completion document, as ``drafters.SuffixDrafter.preload`` does) to get the same index when
         nothing was evicted, or the same retained window when something was.
         """
         index = cls(**kwargs)
@@ -471,12 +422,12 @@ class SuffixIndex:
             return 0, {}
         return d, {self._tok[c]: self._cnt[c] for c in self._children(node)}
 
-    def draft(self, context: Sequence[int], k: int, min_prob: float | None = None) -> Draft:
+    def draft(self, context: Sequence[int], k: int, min_prob: float | None = None) -> LookupDraft:
         """Walk the most frequent continuation of ``context``'s longest match; see the class."""
         floor = self.min_prob if min_prob is None else min_prob
         path = list(context[-(self.max_depth - 1) :])
         d, node = self._match(path)
-        out = Draft(match=d)
+        out = LookupDraft(match=d)
         if node < 0 or k <= 0:
             return out
         prob = 1.0
@@ -502,63 +453,21 @@ class SuffixIndex:
         return self.draft(context, k).tokens
 
 
-def _brute_suffix_counts(
-    documents: Sequence[Sequence[int]], context: Sequence[int], max_depth: int
-) -> tuple[int, dict[int, int]]:
-    """Reference for ``SuffixIndex.next_counts``: scan every document at every position.
-
-    The longest suffix ``u`` of ``context`` with ``len(u) <= max_depth - 1`` that occurs in
-    some document followed by a token, and the counts of those following tokens.
-    """
-    context = list(context)
-    for d in range(min(max_depth - 1, len(context)), 0, -1):
-        u = context[len(context) - d :]
-        counts: Counter[int] = Counter()
-        for doc in documents:
-            doc = list(doc)
-            for start in range(len(doc) - d):
-                if doc[start : start + d] == u:
-                    counts[doc[start + d]] += 1
-        if counts:
-            return d, dict(counts)
-    return 0, {}
-
-
-def _brute_suffix_draft(
-    documents: Sequence[Sequence[int]], context: Sequence[int], k: int, max_depth: int, min_prob: float
-) -> tuple[list[int], list[float]]:
-    """Reference for ``SuffixIndex.draft``: each step takes the most frequent next token
-    (ties: smaller id) after the longest suffix of context + draft that has a successor."""
-    path, tokens, probs, prob = list(context), [], [], 1.0
-    while len(tokens) < k:
-        _, counts = _brute_suffix_counts(documents, path, max_depth)
-        if not counts:
-            break
-        top = min(counts, key=lambda t: (-counts[t], t))
-        prob *= counts[top] / sum(counts.values())
-        if prob < min_prob:
-            break
-        tokens.append(top)
-        probs.append(prob)
-        path.append(top)
-    return tokens, probs
-
-
 # ---------------------------------------------------------------------------------------
-# SuffixDrafter: the `suffix` drafter = job-wide index + each row's own text.
+# SuffixCorpus: the job-wide index of the `suffix` drafter, and each row's own text.
 # ---------------------------------------------------------------------------------------
 
 
 MIN_MATCH = 2  # SuffixRow prefers drafts from suffix matches at least this long
 
 
-class SuffixDrafter:
-    """The job-wide ``suffix`` drafter (SuffixDecoding-style); one per job.
+class SuffixCorpus:
+    """The job-wide side of the ``suffix`` drafter (SuffixDecoding-style; ``drafters.SuffixDrafter`` wraps it).
 
     Holds the global ``SuffixIndex`` over every admitted prompt and every finished
     completion. ``open(prompt)`` adds the prompt and returns the row's ``SuffixRow``,
     which keeps a small local index over the row's own text (prompt + completion so far);
-    a row's draft is the better of the local and the global draft by ``Draft.score``
+    a row's draft is the better of the local and the global draft by ``LookupDraft.score``
     (expected accepted tokens; ties go to the local one, the row's own text being the more
     specific evidence). ``SuffixRow.finish()`` adds the completion, preceded by the last
     ``max_depth - 1`` prompt tokens so the index learns how answers start after a prompt's
@@ -591,24 +500,11 @@ class SuffixDrafter:
         self.index.add(prompt)
         return SuffixRow(self, prompt)
 
-    @classmethod
-    def resume(
-        cls, rows: Iterable[tuple[Sequence[int], Sequence[int] | None]], **kwargs
-    ) -> SuffixDrafter:
-        """Rebuild for a resumed job from (prompt, saved completion or None) in run order:
-        each prompt, then its completion document, by repeated ``SuffixIndex.add``."""
-        drafter = cls(**kwargs)
-        for prompt, completion in rows:
-            drafter.index.add(prompt)
-            if completion is not None:
-                drafter.index.add(drafter.completion_document(prompt, completion))
-        return drafter
-
 
 class SuffixRow:
-    """One row of a ``SuffixDrafter``: its text, a local index over it, and the global one."""
+    """One row of a ``SuffixCorpus``: its text, a local index over it, and the global one."""
 
-    def __init__(self, drafter: SuffixDrafter, prompt: Sequence[int]) -> None:
+    def __init__(self, drafter: SuffixCorpus, prompt: Sequence[int]) -> None:
         self.drafter = drafter
         self.prompt = list(prompt)  # [prompt_len]
         self.completion: list[int] = []  # [generated]
@@ -628,7 +524,7 @@ class SuffixRow:
         self.completion.extend(tokens)
         self.local.extend(tokens)
 
-    def draft(self, k: int) -> Draft:
+    def draft(self, k: int) -> LookupDraft:
         """The better of the local and the global draft by score, then by match length (ties: local).
 
         A draft from a match shorter than ``MIN_MATCH`` tokens (one token seen once says

@@ -40,10 +40,9 @@ from . import models
 from . import openai_batch
 from . import sources
 from .checkpoint import CheckpointError, LockHeld, WorkDir, describe_changes, hash_files, model_signature
-from .engine import Engine, EngineConfig, ModelHandle
+from .engine import MODES, Engine, EngineConfig, ModelHandle, pool_window
 from .events import Request, RowResult, Sampling, StepStats
 
-MODES = ("auto", "ar", "eqspec", "exspec")
 KERNELS = ("stock", "packed")
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
@@ -275,6 +274,7 @@ class Generation:
         self.notes: list[str] = []
         self.lookup_names: list[str] = []  # model-free drafters (see _drafters)
         self.lookups: list = []
+        self.preloads: list[tuple[list[int], list[int] | None]] = []  # saved rows (prompt, completion) drafters relearn
         self.results: dict[int, RowResult] = {}
         self.stats: list[StepStats] = []
         self.work = WorkDir(work_dir_for(cfg.output))
@@ -287,7 +287,7 @@ class Generation:
         self._unsaved_stats: list[StepStats] = []
         self._last_save = time.monotonic()
         self._step_offset = 0
-        self._pending: list[RowResult] = []  # error rows found while feeding the engine
+        self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
         self._bucket_left: dict[int, int] = {}  # bucket -> rows handed out and not finished
         self._bucket_errors: dict[int, int] = {}
         self._bucket_rows: dict[int, int] = {}
@@ -560,7 +560,7 @@ class Generation:
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
-        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _pending."""
+        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
         cfg = self.cfg
         temperature, seed, max_new, top_p, stops, logprobs = (
             self.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
@@ -577,14 +577,15 @@ class Generation:
                     continue
                 if row in skip:  # saved by an interrupted run: what it taught the drafters is taught again
                     done = self.results[row]
-                    for drafter in self.lookups:
-                        drafter.preload(prompt, done.token_ids if done.finish_reason != "error" else None)
+                    self.preloads.append((prompt, done.token_ids if done.finish_reason != "error" else None))
+                    for drafter in self.lookups:  # this process's engine (a Ray worker's: WorkerSpec.preload)
+                        drafter.preload(*self.preloads[-1])
                     continue
                 self._row_bucket[row] = bucket.index
                 self._bucket_left[bucket.index] = self._bucket_left.get(bucket.index, 0) + 1
                 self._bucket_rows[bucket.index] = self._bucket_rows.get(bucket.index, 0) + 1
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
-                    self._pending.append(RowResult(
+                    self._prompt_errors.append(RowResult(
                         row, self.inp.ids[row], [], "error", prompt_tokens=len(prompt),
                         error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
                     continue
@@ -658,8 +659,8 @@ class Generation:
 
     def _drain(self) -> Iterator[RowResult | BucketDone]:
         """Error rows found while feeding the engine, then buckets that just completed."""
-        while self._pending:
-            result = self._pending.pop(0)
+        while self._prompt_errors:
+            result = self._prompt_errors.pop(0)
             self._record(result)
             yield result
         for bucket in sorted(self._sealed - self._announced):
@@ -690,7 +691,7 @@ class Generation:
             "batchspec_version": __version__, "torch_version": torch.__version__,
             "transformers_version": _transformers_version(),
             **settings_record(cfg, "metadata", target=self.target_name, draft=self.draft.name if self.draft else None,
-                              mode=self.mode, window=cfg.window or 4 * cfg.batch_size,
+                              mode=self.mode, window=pool_window(cfg.batch_size, cfg.window),
                               dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
             "target_source": self.target.source, "draft_source": self.draft.source if self.draft else None,
             "drafters": (["model"] if self.draft else []) + self.lookup_names,
@@ -773,7 +774,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     (a single-process run and every distributed worker go through it)."""
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window or 4 * cfg.batch_size,
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None

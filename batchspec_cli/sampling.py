@@ -31,6 +31,11 @@ import hashlib
 import torch
 from torch import Tensor
 
+
+def up_cast(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 (token choice and noise are exact there); others as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
 def _i64(c: int) -> int:
     """A 64-bit unsigned constant as the int64 with the same bits."""
     return c - (1 << 64) if c >= 1 << 63 else c

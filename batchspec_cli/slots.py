@@ -4,7 +4,7 @@ A *slot* holds one in-flight row. What the round's tensors need lives on the dev
 ``[slots]`` tensors (completion position, limit, noise key, sampling settings); everything
 the host decides with lives in host lists, updated at the round's one sync (the row, its
 padded length and padding, how far the draft cache reaches, its committed completion ids
-and counters). ``move`` carries every field from source to destination slots at once, so
+and counters). Each fact has one home: ``end`` and ``pad`` exist only here. ``move`` carries every field from source to destination slots at once, so
 a realignment or a group's assembly can never leave one field behind.
 """
 
@@ -30,8 +30,8 @@ class SlotState:
     top_p: torch.Tensor  # [slots] float64 (1: off)
     # host, per slot
     rows: list = field(default_factory=list)  # Request or None (free slot)
-    end: list = field(default_factory=list)  # padded length (mirror of Layout.end)
-    pad: list = field(default_factory=list)  # left padding (mirror of Layout.pad)
+    end: list = field(default_factory=list)  # padded length: the column after the last committed token
+    pad: list = field(default_factory=list)  # left padding (the device gets a group's pads per forward)
     dend: list = field(default_factory=list)  # the draft cache covers columns [0, dend)
     last_run: list = field(default_factory=list)  # step at which the row last ran
     ids: list = field(default_factory=list)  # committed completion ids (a list per live slot)

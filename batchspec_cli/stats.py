@@ -4,14 +4,19 @@
   by what it did: ``realigned`` when KV was moved to bring its rows to one padded length
   (before the round in exspec/auto, between rounds in eqspec), ``same_length`` otherwise,
   so eqspec and exspec compare honestly (plain ``ar`` steps count in neither);
-- mean acceptance length: tokens emitted per row per round, *counting* the correction or
-  bonus token (= 1 + accepted / rounds);
+- mean acceptance length (``acceptance_length``, the one definition the CLI uses too): tokens
+  a row commits per speculative round, *counting* the correction or bonus token,
+  = 1 + accepted drafts / row-rounds of the rounds with k > 0. Plain steps (k = 0, auto's
+  PLAIN arm and its plain rounds included) are not speculative rounds and do not count;
+  a row that got no draft in a speculative round counts as one row-round of 1 token;
 - realign+gather share: (realign_ms + gather_ms) / total_ms over every step;
 - tokens/s: tokens emitted / summed step time (prefill included);
 - k histogram: decode steps per chosen k (auto chooses it every round; 0 is a plain step);
 - expected / realised gain (auto): over the steps whose cost the policy modelled, the
   expected tokens per modelled second, and the tokens emitted per measured second, each
-  over the rate of plain steps the policy modelled for the same groups.
+  over the rate of plain steps the policy modelled for the same groups;
+- arms (auto): per arm (plain, spec) the rounds it ran, their summed step time, and the
+  committed tokens per second each of its windows measured (the policy's own figures).
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 SPEC_KINDS = ("same_length", "realigned")
+
+
+def acceptance_length(accepted: int, row_rounds: int) -> float | None:
+    """1 + accepted drafts / row-rounds of speculative rounds (k > 0): tokens per row per round, bonus counted."""
+    return 1 + accepted / row_rounds if row_rounds else None
+
+
+@dataclass
+class ArmSummary:
+    rounds: int
+    seconds: float  # summed step time of its rounds
+    windows: list[float]  # committed tokens per second of each window it closed, in order
 
 
 @dataclass
@@ -39,12 +56,13 @@ class Summary:
     k_histogram: dict[int, int] = field(default_factory=dict)  # k -> decode steps
     expected_gain: float | None = None
     realised_gain: float | None = None
+    arms: dict[str, ArmSummary] = field(default_factory=dict)  # auto's arms by name
 
 
 def summarize_rows(label: str, rows: list[dict]) -> Summary:
     spec = [r for r in rows if r["group_kind"] in SPEC_KINDS]
     same = sum(r["group_kind"] == "same_length" for r in spec)
-    row_rounds = sum(r["batch_size"] for r in rows if r["group_kind"] != "prefill")
+    speculative = [r for r in rows if r["group_kind"] != "prefill" and r["k"] > 0]
     tokens = sum(r["tokens_emitted"] for r in rows)
     total_ms = sum(r["total_ms"] for r in rows)
     moving_ms = sum(r["realign_ms"] + r["gather_ms"] for r in rows)
@@ -54,7 +72,8 @@ def summarize_rows(label: str, rows: list[dict]) -> Summary:
     return Summary(
         label=label, steps=len(rows) - sum(r["group_kind"] == "prefill" for r in rows),
         hit_rate=same / len(spec) if spec else None,
-        acceptance_length=tokens / row_rounds if spec and row_rounds else None,
+        acceptance_length=acceptance_length(sum(sum(r["accepted"]) for r in speculative),
+                                            sum(r["batch_size"] for r in speculative)),
         realign_share=moving_ms / total_ms if total_ms else 0.0, tokens=tokens,
         tokens_per_s=tokens / (total_ms / 1e3) if total_ms else 0.0,
         kv_moved=sum(r["kv_moved"] for r in rows), kv_gathered=sum(r["kv_gathered"] for r in rows),
@@ -62,7 +81,21 @@ def summarize_rows(label: str, rows: list[dict]) -> Summary:
         expected_gain=(sum(r["expected_tokens"] for r in modelled) / sum(r["expected_ms"] for r in modelled)
                        / plain_rate) if modelled else None,
         realised_gain=(sum(r["tokens_emitted"] for r in modelled) / sum(r["total_ms"] for r in modelled)
-                       / plain_rate) if modelled else None)
+                       / plain_rate) if modelled else None,
+        arms=arms(decode))
+
+
+def arms(decode: list[dict]) -> dict[str, ArmSummary]:
+    out: dict[str, ArmSummary] = {}
+    for r in decode:
+        arm = r.get("arm") or ""
+        if arm:
+            summary = out.setdefault(arm, ArmSummary(0, 0.0, []))
+            summary.rounds += 1
+            summary.seconds += r["total_ms"] / 1e3
+            if r.get("window_tokens_per_s"):
+                summary.windows.append(r["window_tokens_per_s"])
+    return out
 
 
 def summarize(path: Path) -> list[Summary]:

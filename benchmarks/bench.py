@@ -8,13 +8,14 @@ For every batch size every mode decodes the same prompts (Spec-Bench ``turns[0]`
 chat template); the script checks that the completions are identical across modes (and
 exits with status 1, naming the batch size, run and rows, when they are not) and reports
 tokens/s, the ratio to ``ar`` at the same batch size, the acceptance (accepted / drafted
-tokens), the mean acceptance length (tokens per row per round, *counting* the
-correction/bonus token), the group hit rate and the realignment + gather share of step
-time. By default every batch size runs the modes forward and then backward (``--order
+tokens), the mean acceptance length (``stats.acceptance_length``: 1 + accepted drafts per
+row-round of the rounds with k > 0, *counting* the correction/bonus token), the group hit
+rate and the realignment + gather share of step time. By default every batch size runs the modes forward and then backward (``--order
 palindrome``) and pools both runs of each mode, so that a drift of the machine's speed
 during the sweep does not favour the mode that runs first.
 
-Runs: ``ar`` once; ``eqspec`` / ``exspec`` once per k of ``-k`` and per drafter
+Runs: ``ar`` once; ``pool0`` once: the pooled engine (``auto``'s pool, admission and
+grouping) with no drafter, so every round is a plain step (what the pool itself costs); ``eqspec`` / ``exspec`` once per k of ``-k`` and per drafter
 configuration of ``--drafters``; ``auto`` once per drafter configuration with K =
 ``--max-k`` (default: the largest ``-k``); ``hf`` once: plain Hugging Face
 ``model.generate`` (greedy, static batches of B prompts in the same bucketed order, left
@@ -65,11 +66,13 @@ from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.stats import acceptance_length  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-ENGINE_MODES = ("ar", "auto", "eqspec", "exspec")
+ENGINE_MODES = ("ar", "pool0", "auto", "eqspec", "exspec")
+PLAIN = ("ar", "pool0", "hf")  # runs without a drafter, once per batch size
 FIXED = ("eqspec", "exspec")
 DRAFTER_NAMES = ("model",) + drafters.NAMES
 
@@ -132,9 +135,9 @@ def label(mode: str, k: int, drafter: str) -> str:
 def run_mode(target, draft, eos, reqs, mode, k, batch_size, drafter="model") -> Run:
     """One engine run. ``drafter``: the configuration (``model``, ``ngram``, ``model+suffix``, ...); the model-free
     drafters are built anew for every run (they hold per-job state)."""
-    names = parse_drafters(drafter) if mode != "ar" else []
+    names = parse_drafters(drafter) if mode not in PLAIN else []
     engine = Engine(target, draft if "model" in names else None, eos,
-                    EngineConfig(mode=mode, k=k, batch_size=batch_size, window=4 * batch_size),
+                    EngineConfig(mode="auto" if mode == "pool0" else mode, k=k, batch_size=batch_size),
                     lookups=drafters.make([n for n in names if n != "model"]))
     choose_s = [0.0]
     real_choose = engine._choose
@@ -267,7 +270,8 @@ def summarize(runs: list[Run]) -> dict:
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
         "runs_tokens_per_s": [n / run.wall for n, run in zip(run_tokens, runs)],
         "decode_tokens_per_s": tokens / (decode_ms / 1e3) if decode_ms else None,
-        "acceptance_length": (sum(s.tokens_emitted for s in rounds) / row_rounds) if rounds else None,
+        "acceptance_length": acceptance_length(sum(sum(s.accepted) for s in rounds if s.k),
+                                               sum(s.batch_size for s in rounds if s.k)),
         "accepted_per_round": accepted / row_rounds if spec else 0.0,
         "drafted": drafted, "accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
@@ -472,7 +476,7 @@ def main() -> None:
     # The runs: (mode, k, drafter configuration); ar and hf once, auto once per configuration at K = max_k.
     plan = []
     for mode in args.modes:
-        if mode in ("ar", "hf"):
+        if mode in PLAIN:
             plan.append((mode, 0, ""))
         elif mode == "auto":
             plan += [(mode, max_k, config) for config in auto_configs]

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli.lookup import PromptLookup, SuffixDrafter, SuffixIndex, draft_batch  # noqa: E402
+from batchspec_cli.lookup import PromptLookup, SuffixCorpus, SuffixIndex  # noqa: E402
 
 DATA = Path("/work/shared/data/spec_bench_questions.jsonl")
 TARGET_STEP_MS = {1: 110.0, 16: 280.0}
@@ -93,7 +93,7 @@ def main() -> None:
         index.add(doc)
     add_s = time.perf_counter() - start
     add_tokens = sum(map(len, index_docs)) + sum(map(len, completions))
-    drafter = SuffixDrafter(index)
+    drafter = SuffixCorpus(index)
 
     # Per-row structures over each row's text.
     start = time.perf_counter()
@@ -106,11 +106,11 @@ def main() -> None:
 
     def one_round(step: int) -> tuple[float, float, float, float, int]:
         t0 = time.perf_counter()
-        ngram = draft_batch(lookups, args.k)
+        ngram = [row.draft(args.k) for row in lookups]
         t1 = time.perf_counter()
         shared = [index.draft(row.text, args.k) for row in suffix_rows]
         t2 = time.perf_counter()
-        suffix = draft_batch(suffix_rows, args.k)
+        suffix = [row.draft(args.k) for row in suffix_rows]
         t3 = time.perf_counter()
         for i in range(args.rows):  # commit 1..k+1 tokens per row, as a round would
             n = 1 + (step + i) % (args.k + 1)
@@ -139,7 +139,7 @@ def main() -> None:
         (f"extend both per round, batch {args.rows}", ms["extend_both"], "ms"),
         ("SuffixIndex.add", per_token_us(add_s, add_tokens), "us/token"),
         ("PromptLookup build", per_token_us(lookup_build_s, text_tokens), "us/token"),
-        ("SuffixDrafter.open (global + local)", per_token_us(row_build_s, text_tokens), "us/token"),
+        ("SuffixCorpus.open (global + local)", per_token_us(row_build_s, text_tokens), "us/token"),
     ]
     print(f"tokens: {source}; rows {args.rows}, k {args.k}, texts {min(map(len, texts))}-{max(map(len, texts))} tokens")
     print(f"index: {len(index)} documents, {index.tokens} tokens, {index.nodes} nodes, ~{index.memory_estimate() / 2**20:.0f} MiB")

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-MODES = ["ar", "auto", "eqspec", "exspec", "hf"]
+MODES = ["ar", "pool0", "auto", "eqspec", "exspec", "hf"]
 HEADER = ("| run | category | prompts | batch | tok/s | vs ar (end to end) | vs ar (decode only) "
           "| acceptance (accepted / drafted) | acceptance length (incl. bonus) | α | ideal | achieved / ideal "
           "| group hit | realign+gather share | auto: k histogram, expected / realised gain |")

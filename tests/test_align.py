@@ -22,19 +22,20 @@ def marked_cache(n_slots: int, capacity: int, layers: int = 2) -> SlotCache:
     return cache
 
 
+ENDS, PADS = [9, 7, 8], [2, 0, 3]  # the docstring's rows after their round
+
+
 def move(layout: Layout, caches, src: list[int], dst: list[int], new_end) -> int:
-    """``realign`` with the host mirrors read off the layout and one lag per cache."""
-    ends, pads = [int(layout.end[s]) for s in src], [int(layout.pad[s]) for s in src]
+    """``realign`` of the docstring's rows with one lag per cache; the KV entries copied, summed over rows."""
+    ends, pads = [ENDS[s] for s in src], [PADS[s] for s in src]
     new_ends = [new_end] * len(src) if isinstance(new_end, int) else list(new_end)
-    return realign(layout, [(cache, [lag] * len(src)) for cache, lag in caches], src, dst, ends, new_ends, pads)
+    return sum(realign(layout, [(cache, [lag] * len(src)) for cache, lag in caches], src, dst, ends, new_ends, pads))
 
 
 def docstring_example() -> Layout:
     """The three rows of align.py's docstring after their round (ends 9, 7, 8; pads 2, 0, 3)."""
     layout = Layout.empty(3, 12, torch.device("cpu"))
     layout.tokens[:] = torch.arange(12)[None, :] + 100 * torch.arange(3)[:, None]
-    layout.pad[:] = torch.tensor([2, 0, 3])
-    layout.end[:] = torch.tensor([9, 7, 8])
     return layout
 
 
@@ -44,8 +45,6 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
     old_tokens = layout.tokens.clone()
     src = [0, 2]  # row 1 already ends at 7: it does not move
     moved = move(layout, [(target, 1), (draft, 2)], src, src, 7)
-    assert layout.end.tolist() == [7, 7, 7]
-    assert layout.pad.tolist() == [0, 0, 2]
     # Content of each row, right-aligned at column 7, unchanged in order.
     assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[2, 2:7].tolist() == old_tokens[2, 3:8].tolist()
@@ -68,7 +67,6 @@ def test_realign_compacts_rows_into_lower_slots():
     layout = docstring_example()
     cache = marked_cache(3, 12, layers=1)
     move(layout, [(cache, 1)], [2], [0], 8)  # row 0 finished; row 2 moves into slot 0, same end
-    assert layout.end[0] == 8 and layout.pad[0] == 3
     assert layout.tokens[0, 3:8].tolist() == list(range(203, 208))
     assert cache.keys[0][0, 0, 3:7, 0].tolist() == [203, 204, 205, 206]
 
@@ -80,7 +78,6 @@ def test_realign_with_per_row_ends_swaps_rows_between_slots():
     old_tokens = layout.tokens.clone()
     # Row 0 (end 9) and row 2 (end 8) trade slots; row 2 is also realigned to end 9 on the way.
     moved = move(layout, [(cache, 1)], [0, 2], [2, 0], [9, 9])
-    assert layout.end.tolist() == [9, 7, 9] and layout.pad.tolist() == [4, 0, 2]
     assert layout.tokens[2, 2:9].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[0, 4:9].tolist() == old_tokens[2, 3:8].tolist()
     assert cache.keys[0][2, 0, 2:8, 0].tolist() == list(range(2, 8))  # row 0's entries, same columns
@@ -94,7 +91,6 @@ def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
     old_tokens = layout.tokens.clone()
     # Row 0 shifts left by 2 (end 9 -> 7) while row 2 moves right to 11: reads past row 0's end are clamped.
     move(layout, [(cache, 1)], [0, 2], [0, 2], [7, 11])
-    assert layout.end.tolist() == [7, 7, 11] and layout.pad.tolist() == [0, 0, 6]
     assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[2, 6:11].tolist() == old_tokens[2, 3:8].tolist()
     assert cache.keys[0][0, 0, 0:6, 0].tolist() == list(range(2, 8))
@@ -113,6 +109,8 @@ def test_realign_moves_each_row_by_its_own_lag():
     before = draft.keys[0].clone()
     # Row 0 covers [0, 7) (lag 2), row 2 covers nothing yet (lag = its content 5: a draft never prefilled).
     moved = realign(layout, [(draft, [2, 5])], [0, 2], [0, 2], [9, 8], [7, 7], [2, 3])
+    assert moved == [5, 0]
+    moved = sum(moved)
     assert draft.keys[0][0, 0, 0:5, 0].tolist() == [2, 3, 4, 5, 6]
     assert torch.equal(draft.keys[0][2], before[2])  # nothing of row 2 was copied
     assert moved == 5
@@ -132,14 +130,14 @@ def _fail_on_call(n: int, real):
 def test_realign_out_of_memory_midway_leaves_layout_and_caches_as_they_were(monkeypatch):
     layout = docstring_example()
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
-    snapshot = [layout.tokens.clone(), layout.pad.clone(), layout.end.clone()] + \
+    snapshot = [layout.tokens.clone()] + \
         [t.clone() for c in (target, draft) for t in c.keys + c.values]
     fail, calls = _fail_on_call(3, align._gather)  # after two layers' copies were made
     monkeypatch.setattr(align, "_gather", fail)
     with pytest.raises(torch.OutOfMemoryError):
         move(layout, [(target, 1), (draft, 2)], [0, 2], [0, 2], 7)
     assert calls["n"] == 3
-    after = [layout.tokens, layout.pad, layout.end] + [t for c in (target, draft) for t in c.keys + c.values]
+    after = [layout.tokens] + [t for c in (target, draft) for t in c.keys + c.values]
     assert all(torch.equal(a, b) for a, b in zip(after, snapshot))
 
 
@@ -205,23 +203,47 @@ def test_folded_sdpa_equals_stock_sdpa_on_padded_grouped_query_attention(n_new):
     prefix, start = 12, 12
     tokens = torch.randint(4, TINY_VOCAB_SIZE, (3, prefix + n_new), generator=torch.Generator().manual_seed(n_new))
     logits = {}
-    for impl in ("sdpa", align.FOLDED_SDPA):
-        model.set_attn_implementation(impl)
-        cache = SlotCache(3, 128)
-        sel = slice(0, 3)
-        align.group_forward(model, cache, "cache", sel, tokens[:, :prefix], pad, 0)
-        logits[impl] = align.group_forward(model, cache, "cache", sel, tokens[:, prefix:], pad, start)
-    model.set_attn_implementation("sdpa")
+    for folded in (False, True):
+        with align.folded_sdpa(*([model] if folded else [])):
+            assert model.config._attn_implementation == (align.FOLDED_SDPA if folded else "sdpa")
+            cache = SlotCache(3, 128)
+            sel = slice(0, 3)
+            align.group_forward(model, cache, "cache", sel, tokens[:, :prefix], pad, 0)
+            logits[align.FOLDED_SDPA if folded else "sdpa"] = align.group_forward(model, cache, "cache", sel,
+                                                                                  tokens[:, prefix:], pad, start)
+    assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(logits[align.FOLDED_SDPA], logits["sdpa"], rtol=1e-10, atol=1e-10)
 
 
-def test_engine_switches_stock_sdpa_models_to_folded_sdpa():
+def test_the_engine_runs_stock_sdpa_models_folded_for_the_run_only():
+    """Side effects belong to the run: during it the models run the folded kernel, afterwards their own again."""
     from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+    from batchspec_cli.events import Request
 
     target, draft = make_tiny_llama(TINY_VOCAB_SIZE, seed=0), make_tiny_llama(TINY_VOCAB_SIZE, seed=1)
     eager = make_tiny_llama(TINY_VOCAB_SIZE, seed=2)
     eager.set_attn_implementation("eager")
-    Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1], EngineConfig())
-    Engine(ModelHandle(eager, "cache"), None, [1], EngineConfig(mode="ar"))
-    assert target.config._attn_implementation == draft.config._attn_implementation == align.FOLDED_SDPA
+    seen = []
+    forward = target.forward
+
+    def spy(*args, **kwargs):
+        seen.append((target.config._attn_implementation, draft.config._attn_implementation))
+        return forward(*args, **kwargs)
+    target.forward = spy
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1], EngineConfig(mode="exspec", k=2))
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"  # not at construction
+    list(engine.run([Request(row=0, id="0", prompt_ids=[5, 6, 7], max_new_tokens=3)]))
+    assert seen and set(seen) == {(align.FOLDED_SDPA, align.FOLDED_SDPA)}
+    assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
+    list(Engine(ModelHandle(eager, "cache"), None, [1], EngineConfig(mode="ar")).run(
+        [Request(row=0, id="0", prompt_ids=[5, 6], max_new_tokens=2)]))
     assert eager.config._attn_implementation == "eager"  # a user's choice of kernel is kept
+
+
+def test_importing_align_registers_nothing():
+    import subprocess
+    import sys
+
+    code = ("from transformers import AttentionInterface; import batchspec_cli.engine, batchspec_cli.align as a; "
+            "assert a.FOLDED_SDPA not in AttentionInterface._global_mapping")
+    subprocess.run([sys.executable, "-c", code], check=True)

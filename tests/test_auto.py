@@ -9,9 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from batchspec_cli import sampling
-from batchspec_cli.control import EXPLORE_EVERY, AutoK, Choice, FixedK, Source, Timings, expected_tokens
-from batchspec_cli.engine import EngineConfig
+from batchspec_cli import control, drafters, sampling
+from batchspec_cli.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, Arms, Auto, Calibration, Choice, FixedK,
+                                   Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
+from batchspec_cli.engine import Engine, EngineConfig
 from batchspec_cli.events import Sampling
 from conftest import TINY_VOCAB_SIZE, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
@@ -20,19 +21,35 @@ torch.set_num_threads(1)
 
 # ---------------------------------------------------------------------------- the policy, with invented numbers
 
+CONTEXT = 100  # the groups' padded length in the invented rounds
+
 
 def policy_with(verify: dict[int, float], draft_step: float, draft_feed: float, group: int = 8, k: int = 5,
-                feed_longest: float | None = None) -> AutoK:
-    """A policy calibrated with invented timings (seconds): verify per width, one draft step, the draft's
-    first forward of 2 and of k+1 tokens."""
-    policy = AutoK(k)
+                feed_longest: float | None = None) -> Goodput:
+    """SPEC's per-round choice seeded with invented timings (seconds): verify per width, one draft step, the
+    draft's first forward of 2 and of k+1 tokens."""
+    policy = Goodput(k)
     draft = {1: draft_step, 2: draft_feed, k + 1: draft_feed if feed_longest is None else feed_longest}
-    policy.calibrate(group, verify, draft)
+    policy.seed(Calibration(group, CONTEXT, verify, draft))
     return policy
 
 
-def model(rows: int, catch_up: int = 2) -> dict[str, Source]:
-    return {"model": Source([("model", r) for r in range(rows)], None, catch_up)}
+def rows(n: int, remaining: float = 100.0) -> Group:
+    return Group(list(range(n)), CONTEXT, remaining)
+
+
+def model(catch_up: int = 2) -> dict[str, Offer]:
+    return {"model": Offer(None, catch_up)}
+
+
+def report(group: int, source: str, k: int, seconds: float, prepare_s: float = 0.0, tokens: int | None = None,
+           context: int = CONTEXT, arm: str = "") -> RoundReport:
+    """An invented round: ``group`` rows, ``tokens`` committed in all (default one per row), no drafts kept."""
+    emitted = [1] * group if tokens is None else [tokens // group + (i < tokens % group) for i in range(group)]
+    return RoundReport(choice=Choice(k, source, arm=arm), context=context, rows=list(range(group)),
+                       drafted=[0] * group, drafters=[""] * group, accepted=[0] * group, emitted=emitted,
+                       finished=[], fed=2 if source == "model" else 0, seconds=seconds, prepare_s=prepare_s,
+                       elapsed_s=seconds + prepare_s)
 
 
 def test_policy_picks_a_plain_step_when_verifying_is_dear():
@@ -42,7 +59,7 @@ def test_policy_picks_a_plain_step_when_verifying_is_dear():
         for accepted in (0, 1) * 10:
             policy.acceptance.observe(("model", r), 5, accepted)
     assert policy.acceptance.row(("model", 0)) == pytest.approx(1 / 3, abs=0.05)
-    assert policy.choose(8, model(8), 100.0)[0].k == 0
+    assert policy.choose(rows(8), model()).k == 0
     assert not policy.wants_draft()
 
 
@@ -53,10 +70,10 @@ def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
             policy.acceptance.observe(("model", r), 5, 5)
     ks = []  # k climbs one step past the largest measured one: bare-forward seeds flatter speculation
     for _ in range(7):
-        choice, source = policy.choose(8, model(8), 100.0)
+        choice = policy.choose(rows(8), model())
         ks.append(choice.k)
-        policy.observe_round(8, source, choice.k, 0.2, 2, 0.0)
-    assert ks == [1, 2, 3, 4, 5, 5, 5] and source == "model" and choice.expected_tokens > 8 * 5
+        policy.observe(report(8, choice.source, choice.k, 0.2))
+    assert ks == [1, 2, 3, 4, 5, 5, 5] and choice.source == "model" and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
 
 
@@ -69,10 +86,25 @@ def test_policy_follows_each_row_and_the_drafts_it_has():
     assert policy.acceptance.row(good) > 0.9 and policy.acceptance.row(bad) < 0.3
     # Model-free drafts: k is bounded by the longest proposal, and no proposal means a plain step.
     for k in (1, 2, 3):
-        policy.observe_round(2, "lookup", k, 0.1, 0, 0.0)
-    choice, source = policy.choose(2, {"lookup": Source([good, bad], [3, 0])}, 100.0)
-    assert (choice.k, source) == (3, "lookup")
-    assert policy.choose(2, {}, 100.0)[0].k == 0
+        policy.observe(report(2, "lookup", k, 0.1))
+    choice = policy.choose(rows(2), {"suffix": Offer([3, 0])})
+    assert (choice.k, choice.source, choice.drafters) == (3, "lookup", ["suffix", ""])
+    assert policy.choose(rows(2), {}).k == 0
+
+
+def test_each_row_verifies_the_proposal_with_the_most_expected_accepted_tokens():
+    """sum_j a^(j+1) over the proposal: a long draft of a poor drafter loses to a short one of a good drafter."""
+    policy = FixedK(4)
+    for _ in range(30):
+        policy.acceptance.observe(("ngram", 0), 4, 4)  # ngram is right on row 0, suffix on row 1
+        policy.acceptance.observe(("suffix", 0), 4, 0)
+        policy.acceptance.observe(("ngram", 1), 4, 0)
+        policy.acceptance.observe(("suffix", 1), 4, 4)
+    sources = {"ngram": Offer([2, 4, 0]), "suffix": Offer([4, 1, 0])}
+    names, lengths = policy.rank(rows(3), sources)
+    assert names == ["ngram", "suffix", ""] and lengths == [2, 1, 0]
+    choice = policy.choose(rows(3), sources)
+    assert (choice.k, choice.source, choice.drafters) == (4, "lookup", ["ngram", "suffix", ""])
 
 
 def test_policy_charges_a_lagging_draft_its_catch_up():
@@ -82,10 +114,10 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 3)
     for k in range(1, 6):
-        policy.observe_round(8, "model", k, 0.1, 2, 0.0)
-    assert policy.choose(8, model(8), 100.0)[0].k > 0
-    assert policy.choose(8, model(8, catch_up=400), 2.0)[0].k == 0  # 400 columns to feed for 2 tokens left
-    assert policy.choose(8, model(8, catch_up=400), 10_000.0)[0].k > 0  # ... or spread over a long completion
+        policy.observe(report(8, "model", k, 0.1))
+    assert policy.choose(rows(8), model()).k > 0
+    assert policy.choose(rows(8, 2.0), model(catch_up=400)).k == 0  # 400 columns to feed for 2 tokens left
+    assert policy.choose(rows(8, 10_000.0), model(catch_up=400)).k > 0  # ... or spread over a long completion
 
 
 def test_measured_rounds_overrule_the_calibration_and_exploration_remeasures():
@@ -95,40 +127,68 @@ def test_measured_rounds_overrule_the_calibration_and_exploration_remeasures():
     for r in range(8):
         for accepted in (0, 1) * 10:
             policy.acceptance.observe(("model", r), 5, accepted)
-    assert policy.choose(8, model(8), 100.0)[0].k > 0
+    assert policy.choose(rows(8), model()).k > 0
     for _ in range(20):
         for k in range(1, 6):
-            policy.observe_round(8, "model", k, 0.16 + 0.02 * k, 2, 0.0)
-    choices = [policy.choose(8, model(8), 100.0)[0].k for _ in range(100)]
+            policy.observe(report(8, "model", k, 0.16 + 0.02 * k))
+    choices = [policy.choose(rows(8), model()).k for _ in range(100)]
     assert choices.count(0) >= 90, choices
     for _ in range(20):
-        policy.observe_round(8, "", 0, 0.5, 0, 0.0)  # plain steps got dear
-    assert policy.choose(8, model(8), 100.0)[0].k > 0
+        policy.observe(report(8, "", 0, 0.5))  # plain steps got dear
+    assert policy.choose(rows(8), model()).k > 0
     for _ in range(3 * EXPLORE_EVERY):  # a model option keeps winning; plain is still measured now and then
-        choice, source = policy.choose(8, model(8), 100.0)
-        policy.observe_round(8, source, choice.k, 0.5 if choice.k == 0 else 0.2, 2, 0.0)
+        choice = policy.choose(rows(8), model())
+        policy.observe(report(8, choice.source, choice.k, 0.5 if choice.k == 0 else 0.2))
     assert any(g == 8 and option == ("", 0) for g, option in policy.measured)
 
 
 def test_the_realignment_speculation_causes_is_charged_to_it():
     """A plain step that first realigns rows a speculative round left apart does not pay for that move."""
     policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.0, 0.0)
-    policy.observe_round(8, "model", 2, 0.12, 2, 0.0)
-    policy.observe_round(8, "", 0, 0.10, 0, 0.05)  # this plain round's 0.05 s of realignment: the k = 2 round's
-    policy.observe_round(8, "", 0, 0.10, 0, 0.0)
-    policy.observe_round(8, "model", 1, 0.11, 2, 0.0)
-    assert policy.rounds.get(8, ("model", 2)) == pytest.approx(0.17)
-    assert policy.rounds.get(8, ("", 0)) == pytest.approx(0.10)
+    policy.observe(report(8, "model", 2, 0.12))
+    policy.observe(report(8, "", 0, 0.10, prepare_s=0.05))  # this plain round's 0.05 s of realignment: k = 2's
+    policy.observe(report(8, "", 0, 0.10))
+    policy.observe(report(8, "model", 1, 0.11))
+    assert policy.rounds.get(8, CONTEXT, ("model", 2)) == pytest.approx(0.17)
+    assert policy.rounds.get(8, CONTEXT, ("", 0)) == pytest.approx(0.10)
+
+
+def test_a_first_measurement_is_capped_like_any_other():
+    """A stall in an option's first real round replaces its seed by at most OUTLIER x the seed."""
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.0, 0.0)
+    policy.observe(report(8, "model", 1, 9.0))  # a 90x stall
+    assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(OUTLIER * 0.1)
+
+
+def test_a_long_catch_up_is_no_first_measurement_but_counts_once_the_option_is_measured():
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.0, 0.0)
+    caught_up = report(8, "model", 1, 0.25)
+    caught_up.fed = 200  # the draft was left behind by a plain window
+    policy.observe(caught_up)
+    assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(0.1)  # still the seed
+    policy.observe(report(8, "model", 1, 0.12))
+    policy.observe(caught_up)  # now a recurring cost in the moving average
+    assert policy.rounds.get(8, CONTEXT, ("model", 1)) == pytest.approx(0.8 * 0.12 + 0.2 * 0.25)
+
+
+def test_costs_are_kept_per_context_length():
+    """A long context's rounds do not price a short context's, and an unmeasured band borrows the nearest."""
+    timings = Timings()
+    timings.observe(8, 100, ("", 0), 0.1)
+    timings.observe(8, 1000, ("", 0), 0.3)
+    assert timings.get(8, 90, ("", 0)) == pytest.approx(0.1) and timings.get(8, 900, ("", 0)) == pytest.approx(0.3)
+    assert timings.get(8, 5000, ("", 0)) == pytest.approx(0.3) and timings.get(8, 10, ("", 0)) == pytest.approx(0.1)
 
 
 def test_timings_interpolate_over_group_sizes():
     timings = Timings()
-    timings.observe(4, ("", 0), 0.1)
-    timings.observe(16, ("", 0), 0.3)
-    assert timings.get(8, ("", 0)) == pytest.approx(0.1 + 0.2 * 4 / 12)
-    assert timings.get(2, ("", 0)) == pytest.approx(0.05) and timings.get(32, ("", 0)) == pytest.approx(0.6)
-    timings.observe(4, ("", 0), 0.2)
-    assert timings.get(4, ("", 0)) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
+    timings.observe(4, CONTEXT, ("", 0), 0.1)
+    timings.observe(16, CONTEXT, ("", 0), 0.3)
+    assert timings.get(8, CONTEXT, ("", 0)) == pytest.approx(0.1 + 0.2 * 4 / 12)
+    assert timings.get(2, CONTEXT, ("", 0)) == pytest.approx(0.05)
+    assert timings.get(32, CONTEXT, ("", 0)) == pytest.approx(0.6)
+    timings.observe(4, CONTEXT, ("", 0), 0.2)
+    assert timings.get(4, CONTEXT, ("", 0)) == pytest.approx(0.8 * 0.1 + 0.2 * 0.2)
 
 
 def test_expected_tokens():
@@ -151,11 +211,12 @@ class RandomK(FixedK):
     def wants_draft(self) -> bool:
         return self.rng.random() < 0.5
 
-    def choose(self, group, sources, remaining):
+    def choose(self, group, sources):
         k = self.rng.randint(0, self.k)
         if not k or not sources:
-            return Choice(0, 0.0, 0.0, 0.0), ""
-        return Choice(k, 0.0, 0.0, 0.0), self.rng.choice(sorted(sources))
+            return Choice(0)
+        source = self.rng.choice(sorted({"model" if name == "model" else "lookup" for name in sources}))
+        return Choice(k, source, self.rank(group, sources)[0] if source == "lookup" else None)
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +236,10 @@ def prompts():
 
 
 def run(target, draft, prompts, *, mode, k=4, batch_size=4, policy=None, settings=Sampling(), max_new=MAX_NEW,
-        eos=(1,), window=None):
+        eos=(1,), window=None, lookups=None):
     cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size)
-    return run_engine_rows(target, draft, prompts, cfg, settings=settings, max_new=max_new, eos=eos, policy=policy)
+    return run_engine_rows(target, draft, prompts, cfg, settings=settings, max_new=max_new, eos=eos, policy=policy,
+                           lookups=lookups)
 
 
 SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9, seed=11)
@@ -208,14 +270,84 @@ def test_sampled_rows_identical_across_modes_drafts_and_schedules(target, draft,
     assert any(len(r.token_ids) > 3 for r in reference.values())
 
 
-def test_auto_equals_ar_and_records_its_choices(target, draft, prompts):
+class ScheduledArms(Arms):
+    """An injected arm schedule: a random arm for a random 1-4 rounds at a time (each stretch a 'window')."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.rng, self.left = random.Random(seed), 0
+
+    def record(self, tokens, seconds):
+        self.left -= 1
+        if self.left > 0:
+            return None
+        self.arm, self.left = self.rng.choice([PLAIN, SPEC]), self.rng.randint(1, 4)
+        return tokens / seconds
+
+
+class RandomSpec(Goodput):
+    """SPEC's per-round choice replaced by a random one (it is still seeded and observed like the real one)."""
+
+    def __init__(self, max_k: int, seed: int):
+        super().__init__(max_k)
+        self.random = RandomK(max_k, seed)
+
+    def choose(self, group, sources):
+        return self.random.choose(group, sources)
+
+
+def scheduled(k: int, seed: int) -> Auto:
+    policy = Auto(k)
+    policy.arms, policy.spec = ScheduledArms(seed), RandomSpec(k, seed)
+    return policy
+
+
+@pytest.mark.parametrize("batch_size,k,names,with_model,seed", [(1, 3, [], True, 1), (4, 5, ["suffix"], True, 2),
+                                                                 (7, 2, ["ngram", "suffix"], False, 3),
+                                                                 (16, 4, ["ngram"], True, 4)])
+def test_outputs_equal_ar_under_every_arm_schedule(target, draft, prompts, batch_size, k, names, with_model, seed):
+    """Switching arms at any round (calibration mid-job, a draft left behind by plain windows and caught up,
+    rows admitted without a draft prefill) changes no output, greedy or sampled."""
+    d = draft if with_model else None
+    references = [greedy_reference(target, p, MAX_NEW, [1]) for p in prompts]
+    results, stats = run(target, d, prompts, mode="auto", k=k, batch_size=batch_size, policy=scheduled(k, seed),
+                         lookups=drafters.make(names))
+    assert [results[i].token_ids for i in range(len(prompts))] == references
+    rounds = [s for s in stats if s.group_kind != "prefill"]
+    assert {s.arm for s in rounds} == {PLAIN, SPEC} and any(s.k for s in rounds), "both arms ran, and speculated"
+    assert all(s.k == 0 for s in rounds if s.arm == PLAIN)
+    sampled_ar, _ = run(target, None, prompts, mode="ar", batch_size=batch_size, settings=SAMPLED)
+    sampled, _ = run(target, d, prompts, mode="auto", k=k, batch_size=batch_size, policy=scheduled(k, seed + 50),
+                     settings=SAMPLED, lookups=drafters.make(names))
+    assert {r: e.token_ids for r, e in sampled.items()} == {r: e.token_ids for r, e in sampled_ar.items()}
+
+
+def test_auto_equals_ar_and_records_its_arms_and_windows(target, draft, prompts, monkeypatch):
+    """The shipped policy with windows short enough to switch inside a small job: outputs equal ar; every round
+    records its arm, the rounds that closed a window its measured rate; SPEC's rounds are modelled."""
+    monkeypatch.setattr(control, "WINDOW_ROUNDS", 3)
+    monkeypatch.setattr(control, "WINDOW_SECONDS", 0.0)
     references = [greedy_reference(target, p, MAX_NEW, [1]) for p in prompts]
     results, stats = run(target, draft, prompts, mode="auto", k=4, batch_size=4)
     assert [results[i].token_ids for i in range(len(prompts))] == references
     rounds = [s for s in stats if s.group_kind != "prefill"]
-    assert all(0 <= s.k <= 4 and s.expected_tokens >= s.batch_size * (s.k > 0) for s in rounds)
-    assert all(s.plain_ms > 0 for s in rounds), "the policy's costs are measured (calibration)"
+    assert rounds[0].arm == PLAIN and {s.arm for s in rounds} == {PLAIN, SPEC}
+    assert all(s.k == 0 and s.plain_ms == 0 for s in rounds if s.arm == PLAIN)
+    spec = [s for s in rounds if s.arm == SPEC]
+    assert all(s.plain_ms > 0 for s in spec), "SPEC's costs are measured (calibration, then its rounds)"
+    assert all(0 <= s.k <= 4 and s.expected_tokens >= s.batch_size * (s.k > 0) for s in spec)
     assert all(s.drafter == ("model" if s.k else "") for s in rounds)
+    closing = [s for s in rounds if s.window_tokens_per_s > 0]
+    assert len(closing) >= len(rounds) // 3 - 1 and {s.arm for s in closing} == {PLAIN, SPEC}
+
+
+def test_auto_on_a_short_job_stays_plain_and_never_calibrates_or_prefills_the_draft(target, draft, prompts,
+                                                                                     monkeypatch):
+    calls = []
+    monkeypatch.setattr(Engine, "_calibrate", lambda self, *a: calls.append("calibrate"))
+    monkeypatch.setattr(Engine, "_prefill_draft", lambda self, *a: calls.append("prefill"))
+    results, stats = run(target, draft, prompts[:6], mode="auto", k=4, batch_size=4)
+    assert all(s.k == 0 and s.arm == PLAIN for s in stats if s.group_kind != "prefill") and not calls
 
 
 # ---------------------------------------------------------------------------- the sampled distribution

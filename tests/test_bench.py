@@ -148,3 +148,12 @@ def test_by_category_runs_each_category_as_its_own_job(tmp_path, monkeypatch):
     assert set(record["mismatches_vs_ar"]["2"]) == {f"{c}/{n}" for c in categories
                                                     for n in ("ar", "exspec[suffix]-k5", "exspec[model+ngram]-k5")}
     assert set(record["mismatches_vs_ar"]["2"].values()) == {0}
+
+
+def test_the_pool0_row_is_the_pooled_engine_with_speculation_off(tmp_path, monkeypatch):
+    record = run_bench(tmp_path, monkeypatch, corrupt=None, modes=("ar", "pool0", "auto"))
+    rows = {r["label"]: r for r in record["rows"]}
+    assert list(rows) == ["ar", "pool0", "auto"] and record["mismatches_vs_ar"]["2"]["pool0"] == 0
+    pool0 = rows["pool0"]
+    assert pool0["drafted"] == 0 and pool0["drafters"] == {"-": pool0["drafters"]["-"]}  # every round k = 0
+    assert "ratio_vs_ar" in pool0 and pool0["tokens"] == rows["ar"]["tokens"]

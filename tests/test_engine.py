@@ -244,19 +244,6 @@ def test_stop_checker_cuts_inside_a_round_and_stats_stay_consistent(target, draf
     assert_stats_consistent(results, stats)
 
 
-def test_exspec_assembles_a_group_where_the_fewest_kv_entries_move(target, drafts, eos_ids):
-    """A scattered group goes to the slot range that copies the least KV, not the fewest rows."""
-    engine = Engine(ModelHandle(target, "cache"), ModelHandle(drafts["perturbed"], "cache"), eos_ids,
-                    EngineConfig(mode="exspec", k=2, batch_size=2, window=6))
-    engine._reset()
-    # slot 0: member, 100 tokens; slot 1: another row, 5 tokens; slot 4: member, 5 tokens; the rest free.
-    for slot, content in ((0, 100), (1, 5), (4, 5)):
-        engine.state.rows[slot] = Request(row=slot, id=str(slot), prompt_ids=[5] * content, max_new_tokens=4)
-        engine.state.end[slot], engine.state.pad[slot] = 100, 100 - content
-    # Range [0, 2) moves two short rows (10 entries per layer); [3, 5) would move one long row (100).
-    assert engine._window_for([0, 4]) == (0, 10)
-
-
 @pytest.mark.parametrize("min_group", [None, 0.5])
 def test_exspec_trims_padding_its_longest_row_left_behind(target, drafts, eos_ids, min_group):
     """Short rows padded to a long prompt lose that padding in one move once the long row is done."""
@@ -330,10 +317,10 @@ def test_a_cache_that_cannot_grow_errors_out_the_rows_that_need_it(target, draft
     references = [greedy_reference(target, p, MAX_NEW, eos_ids) for p in prompts]
     real = SlotCache._new_buffer
 
-    def capped(old, capacity):  # a device that holds 64 columns per slot and not one more
+    def capped(old, rows, capacity):  # a device that holds 64 columns per slot and not one more
         if capacity > 64:
             raise torch.OutOfMemoryError("injected")
-        return real(old, capacity)
+        return real(old, rows, capacity)
     monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(capped))
     results, _ = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode="exspec", k=3, batch_size=2,
                             buckets=[0, 0, 0, 0, 1, 1])

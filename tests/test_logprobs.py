@@ -19,6 +19,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from batchspec_cli import drafters
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, Sampling
+from test_auto import scheduled
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)
@@ -60,10 +61,12 @@ def row_settings(i: int) -> tuple[Sampling, int | None]:
 
 def run(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, lookups=(), logprobs_mode="raw",
         stop_checker=None, window=None):
+    # auto starts in its PLAIN arm, and a short job may never leave it: an injected arm schedule makes it speculate
+    policy = scheduled(k, 7) if mode == "auto" else None
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache") if draft is not None else None,
                     list(eos_ids), EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size,
                                                 logprobs_mode=logprobs_mode),
-                    stop_checker=stop_checker, lookups=drafters.make(list(lookups)))
+                    stop_checker=stop_checker, lookups=drafters.make(list(lookups)), policy=policy)
     requests = []
     for i, p in enumerate(prompts):
         sampling, top = row_settings(i)

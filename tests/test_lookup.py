@@ -1,6 +1,6 @@
 """Model-free drafters (batchspec_cli/lookup.py) against brute-force references.
 
-The oracles: `_brute_prompt_lookup` scans every n and every earlier position;
+The oracles (tests/lookup_oracles.py): `_brute_prompt_lookup` scans every n and every earlier position;
 `_brute_suffix_counts` scans every retained document at every position. The structures
 must agree with them on random token streams over small vocabularies (so that matches,
 ties and ambiguity are common), however the text arrived (whole or in random chunks) and
@@ -16,17 +16,9 @@ import tracemalloc
 
 import pytest
 
-from batchspec_cli.lookup import (
-    Draft,
-    PromptLookup,
-    SuffixDrafter,
-    SuffixIndex,
-    _brute_prompt_lookup,
-    _brute_suffix_counts,
-    _brute_suffix_draft,
-    draft_batch,
-    propose_batch,
-)
+from batchspec_cli import drafters
+from batchspec_cli.lookup import PromptLookup, SuffixCorpus, SuffixIndex
+from lookup_oracles import _brute_prompt_lookup, _brute_suffix_counts, _brute_suffix_draft
 
 
 def _chunks(rng: random.Random, tokens: list[int]) -> list[list[int]]:
@@ -330,12 +322,12 @@ def test_extend_in_chunks_equals_one_add():
             assert chunked.draft(context, 5) == whole.draft(context, 5)
 
 
-# --- SuffixDrafter ------------------------------------------------------------------------
+# --- SuffixCorpus -------------------------------------------------------------------------
 
 
 def test_suffix_drafter_copies_an_earlier_rows_completion():
     rng = random.Random(11)
-    drafter = SuffixDrafter()
+    drafter = SuffixCorpus()
     answer = [rng.randrange(3000) for _ in range(150)]
     first = drafter.open([rng.randrange(3000) for _ in range(40)])
     first.extend(answer)
@@ -353,7 +345,7 @@ def test_suffix_drafter_copies_an_earlier_rows_completion():
 
 def test_suffix_drafter_uses_the_rows_own_text():
     rng = random.Random(12)
-    drafter = SuffixDrafter()
+    drafter = SuffixCorpus()
     passage = [rng.randrange(3000) for _ in range(200)]
     row = drafter.open([rng.randrange(3000) for _ in range(30)] + passage + [rng.randrange(3000) for _ in range(30)])
     row.extend([rng.randrange(3000) for _ in range(4)] + passage[:3])
@@ -368,38 +360,40 @@ def test_suffix_drafter_uses_the_rows_own_text():
     assert fresh.propose(6) == item[4:10]
 
 
-def test_suffix_drafter_resume_rebuilds_the_same_index():
+def test_suffix_drafter_preload_rebuilds_the_same_index():
+    """A resumed job preloads its saved rows (prompt, completion or None) in run order: the index equals the
+    one the uninterrupted run had built by drafting them."""
     rng = random.Random(13)
-    live = SuffixDrafter(local_depth=6)
+    live = drafters.SuffixDrafter(max_depth=6)
     pairs = []
     for i in range(30):
         prompt = [rng.randrange(20) for _ in range(rng.randint(1, 30))]
-        row = live.open(prompt)
-        completion = [rng.randrange(20) for _ in range(rng.randint(0, 30))]
+        live.admit(i, prompt)
+        completion = [rng.randrange(20) for _ in range(rng.randint(1, 30))]
         for chunk in _chunks(rng, completion):
-            row.extend(chunk)
+            live.extend(i, chunk)
         done = i % 4 != 3  # some rows did not finish before the interruption
         if done:
-            row.finish()
+            live.finish(i, completion)
         pairs.append((prompt, completion if done else None))
-    resumed = SuffixDrafter.resume(pairs, local_depth=6)
-    assert resumed.index.documents() == live.index.documents()
-    assert resumed.index.nodes == live.index.nodes
+    resumed = drafters.SuffixDrafter(max_depth=6)
+    for prompt, completion in pairs:
+        resumed.preload(prompt, completion)
+    assert resumed.corpus.index.documents() == live.corpus.index.documents()
+    assert resumed.corpus.index.nodes == live.corpus.index.nodes
     for _ in range(30):
         context = [rng.randrange(20) for _ in range(rng.randint(1, 20))]
-        assert resumed.index.draft(context, 5) == live.index.draft(context, 5)
+        assert resumed.corpus.index.draft(context, 5) == live.corpus.index.draft(context, 5)
 
 
-def test_batch_helpers_respect_per_row_budgets():
-    drafter = SuffixDrafter()
-    rows = [
-        PromptLookup([1, 2, 3, 1, 2]),
-        drafter.open([4, 5, 6, 4, 5]),
-        PromptLookup([9]),
-    ]
-    assert propose_batch(rows, 2) == [[3, 1], [6, 4], []]
-    drafts = draft_batch(rows, [1, 0, 5])
-    assert [d.tokens for d in drafts] == [[3], [], []]
-    assert all(isinstance(d, Draft) for d in drafts)
-    with pytest.raises(ValueError):
-        propose_batch(rows, [1, 2])
+def test_drafters_propose_padded_tokens_and_per_row_lengths():
+    """The drafter protocol: tokens [G, k] with filler past each row's length, lengths [G] (0: no draft)."""
+    ngram, suffix = drafters.make(["ngram", "suffix"])
+    for row, prompt in enumerate([[1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [9]]):
+        ngram.admit(row, prompt)
+        suffix.admit(row, prompt)
+    rows = drafters.Rows([0, 1, 2])
+    proposal = ngram.propose(rows, 2)
+    assert proposal.tokens.tolist() == [[3, 1], [6, 4], [0, 0]] and proposal.lengths == [2, 2, 0]
+    assert proposal.source == "ngram" and proposal.tokens.shape == (3, 2)
+    assert suffix.propose(rows, 3).lengths[2] == 0

@@ -42,6 +42,41 @@ RAY = ("--ray", "--ray-workers", "2", "--ray-block-rows", "3")
 # --------------------------------------------------------------------------- without Ray
 
 
+def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_model_dir):
+    """The driver reads the requests (and the saved rows) for the workers; each worker's drafters must learn the
+    saved rows as a resumed single-process engine's do, not start empty (no Ray needed: a Worker in-process)."""
+    from batchspec_cli.distributed import RayConfig, RayExecutor, Worker
+    from batchspec_cli.events import RowResult
+    from batchspec_cli.runner import GenerateConfig, Generation
+
+    inp = tmp_path / "in.jsonl"
+    rng = random.Random(3)
+    inp.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))})
+                           + "\n" for _ in range(12)))
+    cfg = GenerateConfig(input=inp, output=tmp_path / "out.parquet", target=str(tiny_model_dir), draft="suffix",
+                         batch_size=2, max_new_tokens=6, dtype="float64", checkpoint_rows=2)
+    with Generation.open(cfg) as job:  # interrupted after a few rows, as a signal would
+        for event in job.events():
+            if isinstance(event, RowResult) and len(job.results) == 4:
+                job.stop()
+        assert job.interrupted and job.saved_rows >= 4
+
+    def documents(engine) -> list:
+        (suffix,) = engine.lookups
+        return suffix.corpus.index.documents()
+
+    with Generation.open(cfg) as single:  # a resumed single-process run: its own engine is preloaded
+        engine = single.engine()
+        requests = list(single.requests())
+        learnt = documents(engine)
+    with Generation.open(cfg) as job:
+        executor = RayExecutor(job, RayConfig(workers=1))
+        assert [len(b) for b in make_blocks(job.requests(), 3)] and len(job.preloads) == job.saved_rows
+        worker = Worker(executor.worker_spec())
+    assert learnt and len(requests) == 12 - job.saved_rows
+    assert documents(worker.engine) == learnt
+
+
 def test_ray_missing_exits_2_with_an_install_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, find_spec says so
     inp = tmp_path / "in.jsonl"

@@ -1,0 +1,119 @@
+"""auto against ar, and auto held in its PLAIN arm, side by side in one process (palindrome order).
+
+    python benchmarks/auto_arms.py --prompts 16 --max-new-tokens 64 --batch-sizes 1 4 8 16 --threads 1
+
+Per batch size: ar, auto (the default drafters: the shipped draft model + suffix) and
+``auto-plain`` (auto whose arms never leave PLAIN: the pooled engine's cost without
+speculation) run forward then backward over the same Spec-Bench prompts; outputs must be
+identical. Reports each run's tokens/s over ar's (the mean of the two passes, and the spread:
+the ratio of each pass to the ar pass next to it), the time each arm of auto ran and the
+rates its windows measured. One JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench  # noqa: E402
+from batchspec_cli import control, drafters, models  # noqa: E402
+from batchspec_cli.align import use_folded_sdpa  # noqa: E402
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.events import StepStats  # noqa: E402
+from batchspec_cli.io import render_prompt  # noqa: E402
+
+
+class PlainOnly(control.Arms):
+    def _decide(self, rate: float) -> None:
+        pass
+
+
+def run(target, draft, eos, reqs, name: str, batch: int, k: int):
+    policy = None
+    if name == "auto-plain":
+        policy = control.Auto(k)
+        policy.arms = PlainOnly()
+    engine = Engine(target, None if name == "ar" else draft, eos,
+                    EngineConfig(mode="ar" if name == "ar" else "auto", k=k, batch_size=batch, window=4 * batch),
+                    lookups=[] if name == "ar" else drafters.make(["suffix"]), policy=policy)
+    results, stats = {}, []
+    started = time.perf_counter()
+    for event in engine.run(reqs):
+        if isinstance(event, StepStats):
+            stats.append(event)
+        else:
+            results[event.row] = event.token_ids
+    return time.perf_counter() - started, results, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--runs", nargs="+", default=["ar", "auto", "auto-plain"])
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tgt = models.load_model(None, "auto", "auto", quiet=True)
+    drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
+    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
+    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
+    for handle in (target, draft):
+        use_folded_sdpa(handle.model)
+    eos = models.eos_ids(tgt.model, tgt.tokenizer)
+    prompts = [render_prompt(tgt.tokenizer, p, True, None) for p in bench.spec_bench_prompts(bench.SPEC_BENCH,
+                                                                                             args.prompts)]
+    reqs = bench.requests(prompts, args.max_new_tokens)
+    for name in args.runs:  # warm-up
+        run(target, draft, eos, [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]], name, 2, args.k)
+    out = []
+    for batch in args.batch_sizes:
+        order = args.runs + args.runs[::-1]
+        times: dict[str, list[float]] = {name: [] for name in args.runs}
+        outputs, arms = {}, {}
+        for name in order:
+            seconds, results, stats = run(target, draft, eos, reqs, name, batch, args.k)
+            times[name].append(seconds)
+            if outputs.setdefault(name, results) != results or results != outputs[args.runs[0]]:
+                sys.exit(f"batch {batch}: {name} differs from {args.runs[0]}")
+            if name == "auto":
+                ran = {}
+                for s in stats:
+                    if s.arm:
+                        ran.setdefault(s.arm, [0.0, 0, []])
+                        ran[s.arm][0] += s.total_ms / 1e3
+                        ran[s.arm][1] += 1
+                        if s.window_tokens_per_s:
+                            ran[s.arm][2].append(round(s.window_tokens_per_s, 1))
+                arms.setdefault("passes", []).append(ran)
+        tokens = sum(len(t) for t in outputs[args.runs[0]].values())
+        row = {"batch": batch, "tokens": tokens}
+        for name in args.runs:
+            passes = [ar / mine for ar, mine in zip(times["ar"], times[name])]
+            row[name] = {"seconds": times[name], "ratio_vs_ar": statistics.mean(passes), "passes": passes}
+        row["auto_arms"] = arms.get("passes")
+        out.append(row)
+        cells = [f"{n} {row[n]['ratio_vs_ar']:.3f}x ({' / '.join(f'{p:.3f}' for p in row[n]['passes'])})"
+                 for n in args.runs if n != "ar"]
+        print(f"batch {batch:2}: " + "  ".join(cells), flush=True)
+        for i, ran in enumerate(row["auto_arms"] or []):
+            print(f"          auto pass {i + 1}: " + "; ".join(
+                f"{arm} {v[0]:.1f} s in {v[1]} rounds, windows {v[2]} tok/s" for arm, v in ran.items()), flush=True)
+    print(json.dumps({"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+                      "rows": out}))
+
+
+if __name__ == "__main__":
+    main()

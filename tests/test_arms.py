@@ -1,0 +1,111 @@
+"""`auto`'s arms on invented throughputs: PLAIN against SPEC, judged by measured committed tokens per wall second."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchspec_cli.control import (FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto,
+                                   Group, Offer, Window)
+
+ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
+
+
+def drive(rates: dict[str, float], windows: int, stall: int | None = None, arms: Arms | None = None) -> list[str]:
+    """Run ``windows`` windows of rounds of ``ROUND_S`` seconds whose arm commits ``rates[arm]`` tokens per second;
+    round number ``stall`` takes 10x as long for the same tokens. Returns the arm of every window."""
+    arms, ran, n = arms or Arms(), [], 0
+    while len(ran) < windows:
+        arm = arms.arm
+        seconds = ROUND_S * (10 if n == stall else 1)
+        if arms.record(rates[arm] * ROUND_S, seconds) is not None:
+            ran.append(arm)
+        n += 1
+    return ran
+
+
+def trials(ran: list[str], loser: str) -> list[tuple[int, int]]:
+    """(first window, length) of every run of consecutive ``loser`` windows."""
+    out, i = [], 0
+    while i < len(ran):
+        if ran[i] == loser:
+            j = i
+            while j < len(ran) and ran[j] == loser:
+                j += 1
+            out.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def test_a_spec_arm_10_percent_slower_leaves_after_at_most_two_windows_and_is_retested_at_doubling_intervals():
+    ran = drive({PLAIN: 100.0, SPEC: 90.0}, 2 + 2 * 4 * (1 + 2 + 4))
+    assert ran[0] == PLAIN and ran[1] == SPEC  # start plain, then try speculation
+    found = trials(ran, SPEC)
+    assert len(found) >= 3 and all(length <= 2 for _, length in found)
+    gaps = [b - (a + n) for (a, n), (b, _) in zip(found, found[1:])]
+    assert gaps[:2] == [FIRST_RETEST, 2 * FIRST_RETEST]
+    assert all(later == 2 * earlier for earlier, later in zip(gaps, gaps[1:]))
+
+
+def test_a_spec_arm_20_percent_faster_is_chosen_and_kept():
+    ran = drive({PLAIN: 100.0, SPEC: 120.0}, 40)
+    assert ran[:3] == [PLAIN, SPEC, SPEC]
+    found = trials(ran[2:], PLAIN)
+    assert all(length == 1 for _, length in found)  # every re-test of plain ends after one window
+    assert ran[2:].count(PLAIN) <= 3 and ran[-1] == SPEC  # re-tests are rare (doubling) and speculation stays
+
+
+@pytest.mark.parametrize("rates", [{PLAIN: 100.0, SPEC: 90.0}, {PLAIN: 100.0, SPEC: 120.0}])
+def test_one_10x_stall_in_a_window_does_not_flip_the_choice(rates):
+    calm = drive(rates, 30)
+    for stall in (3, WINDOW_ROUNDS + 4, 2 * WINDOW_ROUNDS + 5, 7 * WINDOW_ROUNDS + 1):  # in plain and spec windows
+        assert drive(rates, 30, stall=stall) == calm, stall
+
+
+def test_one_lucky_challenger_window_is_not_a_switch():
+    arms = Arms()
+    for arm, rate in [(PLAIN, 100.0), (SPEC, 110.0), (SPEC, 101.0)]:  # a win, then not: plain resumes
+        assert arms.arm == arm
+        for _ in range(WINDOW_ROUNDS):
+            arms.record(rate * ROUND_S, ROUND_S)
+    assert arms.arm == PLAIN and arms.incumbent == PLAIN
+
+
+def test_close_arms_do_not_switch():
+    """A challenger less than 3 % faster never takes over."""
+    ran = drive({PLAIN: 100.0, SPEC: 102.0}, 30)
+    assert all(length <= 2 for _, length in trials(ran, SPEC)) and ran[-1] == PLAIN
+
+
+def test_a_window_needs_both_its_rounds_and_its_seconds_and_every_round_counts():
+    window = Window(PLAIN)
+    for _ in range(WINDOW_ROUNDS - 1):
+        window.tokens.append(10)
+        window.seconds.append(WINDOW_SECONDS)
+    assert not window.full()
+    window.tokens.append(10)
+    window.seconds.append(0.01)
+    assert window.full()
+    short = Window(PLAIN, [10] * (3 * WINDOW_ROUNDS), [0.001] * (3 * WINDOW_ROUNDS))
+    assert not short.full()
+    # the rate is tokens over seconds of every round (in sub-windows): slow rounds count unless they are one stall
+    slow_half = Window(PLAIN, [10] * 10, [0.1] * 5 + [0.2] * 5)
+    assert slow_half.rate() == pytest.approx(statistics_median_of_parts([10] * 10, [0.1] * 5 + [0.2] * 5))
+
+
+def statistics_median_of_parts(tokens, seconds):
+    import statistics
+    n = len(tokens)
+    cuts = [round(i * n / SUB_WINDOWS) for i in range(SUB_WINDOWS + 1)]
+    return statistics.median(sum(tokens[a:b]) / sum(seconds[a:b]) for a, b in zip(cuts, cuts[1:]))
+
+
+def test_the_plain_arm_asks_for_no_calibration_and_no_draft_prefill():
+    policy = Auto(4)
+    group, sources = Group([0, 1], 50, 30.0), {"model": Offer(None, 40)}
+    assert policy.arms.arm == PLAIN and not policy.wants_seed() and not policy.wants_draft()
+    choice = policy.choose(group, sources)
+    assert choice.k == 0 and choice.arm == PLAIN
+    policy.arms.arm = SPEC
+    assert policy.wants_seed()

@@ -1,0 +1,122 @@
+"""The slot pool: what it costs when it does not speculate, and where its KV memory goes (float64 oracles)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchspec_cli import align, pool
+from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
+from batchspec_cli.events import Request, RowResult, StepStats
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+
+
+def prompts_of(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, TINY_VOCAB_SIZE) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run(engine: Engine, prompts, max_new, pad_to=0, buckets=None):
+    results, stats = {}, []
+    for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=max_new, pad_to=pad_to,
+                                    bucket=buckets[i] if buckets else 0) for i, p in enumerate(prompts)):
+        if isinstance(event, RowResult):
+            results[event.row] = event
+        else:
+            stats.append(event)
+    return results, stats
+
+
+def watch_growths(monkeypatch, engine_ref: list) -> list[tuple[int, int]]:
+    """(slots copied, slots live) of every growth of a KV buffer that holds entries."""
+    seen = []
+    real = align.SlotCache._resize
+
+    def spy(cache, rows, capacity):
+        before = cache.copied_rows
+        real(cache, rows, capacity)
+        seen.append((cache.copied_rows - before, len(engine_ref[0].pool.live)))
+    monkeypatch.setattr(align.SlotCache, "_resize", spy)
+    return seen
+
+
+def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(target, monkeypatch):
+    """Rows that stay in step (k = 0, one bucket, no early stop): no realignment, no assembly, and buffer growths
+    (a later, longer bucket) copy the live slots alone, never the whole window."""
+    prompts = prompts_of(6, seed=1, lo=4, hi=9) + prompts_of(6, seed=2, lo=60, hi=70)
+    buckets = [0] * 6 + [1] * 6
+    engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=3, window=24))
+    growths = watch_growths(monkeypatch, [engine])
+    results, stats = run(engine, prompts, 10, buckets=buckets)
+    assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 10, []) for p in prompts]
+    rounds = [s for s in stats if s.group_kind != "prefill"]
+    assert rounds and all(s.k == 0 for s in rounds)
+    assert all(s.kv_moved == 0 and s.kv_gathered == 0 for s in rounds)
+    assert growths, "the longer bucket needs wider buffers"
+    assert all(copied <= live for copied, live in growths), growths
+
+
+def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target):
+    """Two rows at batch 64 (a window of 256 slots) allocate KV for two slots, reserved for their whole length."""
+    prompts = prompts_of(2, seed=3, lo=5, hi=8)
+    sizes = {}
+    for batch in (2, 64):
+        engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=batch))
+        results, stats = run(engine, prompts, 20)
+        assert [results[i].token_ids for i in range(2)] == [greedy_reference(target, p, 20, []) for p in prompts]
+        cache = engine.pool.target
+        sizes[batch] = sum(t.numel() for t in cache.keys + cache.values)
+        assert cache.rows == 2 and cache.capacity >= max(map(len, prompts)) + 20
+    assert sizes[64] == sizes[2]
+
+
+def test_decoding_never_stops_to_grow_the_buffers(target, monkeypatch):
+    """Columns are reserved at admission for what the admitted rows can reach (prompt + max_new_tokens + k + 1)."""
+    prompts = prompts_of(8, seed=4, lo=3, hi=30)
+    draft = perturbed_copy(target, scale=0.01, seed=1)
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="exspec", k=3, batch_size=4, window=8))
+    grew_in_round = []
+    real = align.SlotCache.grow
+
+    def spy(cache, needed, rows=0):
+        if needed > cache.capacity and cache.keys:
+            grew_in_round.append(needed)
+        return real(cache, needed, rows)
+    monkeypatch.setattr(align.SlotCache, "grow", spy)
+    results, _ = run(engine, prompts, 40)
+    assert [results[i].token_ids for i in range(8)] == [greedy_reference(target, p, 40, []) for p in prompts]
+    assert grew_in_round == []
+
+
+def test_a_step_label_comes_from_the_grouping_decision_not_from_the_kv_count(target, monkeypatch):
+    """A KV counter that reports nothing must not turn realigned steps into same_length ones.
+
+    The label is the grouping's decision; ``kv_moved`` is what ``realign`` copied. With the counter
+    broken, steps still say ``realigned`` and the consistency check between the two catches it."""
+    prompts = prompts_of(12, seed=5, lo=3, hi=20)
+    draft = perturbed_copy(target, scale=0.01, seed=1)
+    cfg = EngineConfig(mode="exspec", k=3, batch_size=4, window=8)
+
+    def consistent(stats) -> bool:
+        rounds = [s for s in stats if s.group_kind in ("same_length", "realigned")]
+        return (all(s.kv_moved == 0 for s in rounds if s.group_kind == "same_length")
+                and all(s.kv_moved > 0 for s in rounds if s.group_kind == "realigned"))
+
+    _, stats = run_engine_rows(target, draft, prompts, cfg, eos=[])
+    assert any(s.group_kind == "realigned" for s in stats) and consistent(stats)
+    real = pool.realign
+    monkeypatch.setattr(pool, "realign", lambda *args: [0] * len(real(*args)))  # moves, but counts nothing
+    results, stats = run_engine_rows(target, draft, prompts, cfg, eos=[])
+    assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 13, []) for p in prompts]
+    assert any(s.group_kind == "realigned" for s in stats)
+    assert not consistent(stats)

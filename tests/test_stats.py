@@ -1,0 +1,48 @@
+"""Statistics summaries: acceptance length has one definition, and `batchspec stats` reports auto's arms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from typer.testing import CliRunner
+
+from batchspec_cli import io as bio
+from batchspec_cli.cli import app
+from batchspec_cli.events import StepStats
+from batchspec_cli.stats import acceptance_length, summarize, summarize_rows
+
+
+def step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, total_ms: float = 100.0, **kw) -> StepStats:
+    return StepStats(bucket=0, step=0, group_kind=kind, batch_size=rows, k=k, accepted=accepted,
+                     tokens_emitted=emitted, pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0,
+                     verify_ms=total_ms, realign_ms=0.0, gather_ms=0.0, total_ms=total_ms, **kw)
+
+
+STEPS = [step("prefill", 4, 0, [], 0),
+         step("same_length", 4, 0, [0] * 4, 4, arm="plain"),  # auto's plain steps: not speculative rounds
+         step("same_length", 4, 0, [0] * 4, 4, arm="plain", window_tokens_per_s=40.0),
+         step("realigned", 2, 3, [3, 1], 6, arm="spec"),  # 2 row-rounds, 4 accepted drafts: 1 + 4 / 2 = 3
+         step("same_length", 2, 2, [0, 2], 4, arm="spec", window_tokens_per_s=50.0)]  # 1 + 2 / 2 = 2
+
+
+def test_acceptance_length_counts_the_bonus_over_speculative_rounds_only():
+    summary = summarize_rows("all", [dataclasses.asdict(s) for s in STEPS])
+    assert summary.acceptance_length == pytest.approx(1 + (4 + 2) / (2 + 2))
+    assert summary.acceptance_length == acceptance_length(6, 4)
+    assert acceptance_length(0, 0) is None
+    plain_only = summarize_rows("plain", [dataclasses.asdict(s) for s in STEPS[:3]])
+    assert plain_only.acceptance_length is None
+
+
+def test_stats_reports_how_long_each_arm_ran_and_what_its_windows_measured(tmp_path):
+    path = tmp_path / "out.stats.parquet"
+    bio.write_stats(path, STEPS, {})
+    overall = summarize(path)[-1]
+    assert overall.arms["plain"].rounds == 2 and overall.arms["plain"].seconds == pytest.approx(0.2)
+    assert overall.arms["spec"].windows == [50.0] and overall.arms["plain"].windows == [40.0]
+    result = CliRunner().invoke(app, ["stats", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "auto arm plain: ran 0.2 s in 2 rounds; its windows measured 40.0 tok/s" in result.output
+    assert "auto arm spec: ran 0.2 s in 2 rounds; its windows measured 50.0 tok/s" in result.output
+    assert "2.50" in result.output  # the acceptance length column
