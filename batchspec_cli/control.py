@@ -162,6 +162,10 @@ class Policy(Protocol):
     def wants_draft(self) -> bool:
         """Whether newly admitted rows get a draft prefill now (else the draft catches up when it is needed)."""
 
+    def wants_pool(self) -> bool:
+        """Whether the engine should fill its whole pool (rows at many lengths, for speculation to group), or
+        hold one batch: rows that only take plain steps stay in step and need no pool."""
+
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice: ...
 
     def observe(self, report: RoundReport) -> float | None:
@@ -353,6 +357,9 @@ class FixedK:
     def wants_draft(self) -> bool:
         return self.k > 0
 
+    def wants_pool(self) -> bool:
+        return self.k > 0
+
     def rank(self, group: Group, sources: dict[str, Offer]) -> tuple[list[str], list[int]]:
         """Each row's model-free draft: the drafter with the most expected accepted tokens, ``sum_j a^(j+1)``
         over its proposal (a on this row, for that drafter). Returns ([G] drafter or "", [G] its length)."""
@@ -512,6 +519,9 @@ class Auto:
 
     def wants_draft(self) -> bool:
         return self.arms.arm == SPEC and self.spec.wants_draft()
+
+    def wants_pool(self) -> bool:
+        return self.arms.arm == SPEC
 
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
         if self.arms.arm == PLAIN:

@@ -218,7 +218,11 @@ class Engine:
         included, into one rectangle.
         """
         free = self.pool.free_slots()
-        if self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
+        if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, as ar holds
+            free = free[: max(0, self.cfg.batch_size - len(self.pool.live))]
+            if self.pool.live and len(free) < max(1, self.cfg.batch_size // 4):
+                return
+        elif self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
         while free and not self.exhausted:
             chunk = []
@@ -237,7 +241,7 @@ class Engine:
                 chunk.append(req)
             if chunk:
                 yield from self._admit(chunk, free)
-                free = self.pool.free_slots()
+                free = [s for s in free if s not in self.pool.live]
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""

@@ -10,6 +10,7 @@ import torch
 
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, StepStats
+from test_auto import scheduled
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)
@@ -53,12 +54,13 @@ def references(target, prompts, eos_ids):
 
 
 def run_engine(target, draft, prompts, eos_ids, *, mode, k=4, batch_size=4, window=None, max_new=MAX_NEW,
-               pad_to=None, buckets=None, min_group=None, trim=True):
+               pad_to=None, buckets=None, min_group=None, trim=True, policy=None):
     """Run the engine; ``max_new`` is one limit for every row or a list of per-row limits."""
     cfg = EngineConfig(mode=mode, k=k, batch_size=batch_size, window=window or 4 * batch_size, trim=trim)
     if min_group is not None:
         cfg.min_group = min_group
-    return run_engine_rows(target, draft, prompts, cfg, max_new=max_new, eos=eos_ids, pad_to=pad_to, buckets=buckets)
+    return run_engine_rows(target, draft, prompts, cfg, max_new=max_new, eos=eos_ids, pad_to=pad_to, buckets=buckets,
+                           policy=policy)
 
 
 def assert_equal_to_reference(results, references):
@@ -291,7 +293,9 @@ def test_out_of_memory_inside_realign_leaves_no_trace(target, drafts, prompts, e
 
     counter = {"n": 0}
     monkeypatch.setattr(align, "_gather", _fail_calls(align._gather, {3, 9, 10}, counter))
-    results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode=mode, k=3, batch_size=6)
+    policy = scheduled(3, 5) if mode == "auto" else None  # auto speculates (rows drift apart) under a schedule
+    results, stats = run_engine(target, drafts["perturbed"], prompts, eos_ids, mode=mode, k=3, batch_size=6,
+                                policy=policy)
     assert counter["n"] > 10, "the faults were injected inside real moves"
     assert_equal_or_error_rows(results, references)  # a failed move changed nothing: the retry is exact
     assert sum(r.finish_reason == "error" for r in results.values()) <= 2  # only a row failing alone gives up

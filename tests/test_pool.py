@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchspec_cli import align, pool
+from batchspec_cli import align, control, drafters, pool
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, StepStats
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
@@ -120,3 +120,33 @@ def test_a_step_label_comes_from_the_grouping_decision_not_from_the_kv_count(tar
     assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 13, []) for p in prompts]
     assert any(s.group_kind == "realigned" for s in stats)
     assert not consistent(stats)
+
+
+class _PlainOnly(control.Arms):
+    """Arms that never leave PLAIN (auto on a machine where speculation never pays)."""
+
+    def _decide(self, rate: float) -> None:
+        pass
+
+
+def test_auto_holds_one_batch_while_it_does_not_speculate(target):
+    """auto with a drafter keeps a window of 4 x batch for speculation to group, but while its PLAIN arm runs it
+    admits one batch, as ar does: rows in step, no realignment of rows admitted apart, KV for one batch."""
+    draft = perturbed_copy(target, scale=0.05, seed=1)
+    prompts = prompts_of(14, seed=4, lo=4, hi=30)
+    policy = control.Auto(3)
+    policy.arms = _PlainOnly()
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="auto", k=3, batch_size=4, window=16), lookups=drafters.make(["suffix"]),
+                    policy=policy)
+    results, stats = run(engine, prompts, 12)
+    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert all(s.k == 0 for s in stats if s.group_kind != "prefill")
+    assert engine.pool.target.rows <= 4, "slots beyond one batch were filled"
+    assert engine.pool.draft is None or not engine.pool.draft.keys, "the draft never ran, so no draft KV"
+    # A policy that speculates fills the window.
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
+    results, _ = run(engine, prompts, 12)
+    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert engine.pool.target.rows > 4
