@@ -287,6 +287,7 @@ class Generation:
         self._unsaved_stats: list[StepStats] = []
         self._last_save = time.monotonic()
         self._step_offset = 0
+        self._threads_before: int | None = None  # the process's thread count before --threads (restored by close)
         self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
         self._bucket_left: dict[int, int] = {}  # bucket -> rows handed out and not finished
         self._bucket_errors: dict[int, int] = {}
@@ -324,7 +325,10 @@ class Generation:
         self.close()
 
     def close(self) -> None:
-        """Release the lock; a work directory with nothing resumable in it is removed."""
+        """Release the lock; a work directory with nothing resumable in it is removed; --threads is undone."""
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         if not self.work.locked:
             return
         try:
@@ -336,7 +340,8 @@ class Generation:
 
     def _open(self) -> None:
         cfg = self.cfg
-        if cfg.threads:
+        if cfg.threads:  # for this job: close() restores the process's thread count
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(cfg.threads)
         bio.check_output_path(cfg.output, overwrite=True)
         self.stats_path = cfg.stats or bio.stats_path_for(cfg.output)

@@ -273,3 +273,15 @@ def test_packed_kernels_give_the_stock_kernels_output(tmp_path, prompts_jsonl, m
     assert outs["packed"] == outs["stock"]
     bad = invoke("generate", prompts_jsonl, tmp_path / "x.parquet", "--target", target, "--kernels", "fast")
     assert bad.exit_code == 2 and "--kernels must be one of stock, packed" in bad.output
+
+
+def test_threads_apply_to_the_job_alone(tmp_path, prompts_jsonl, model_dirs):
+    """--threads sets torch's thread count for the run; the caller's process gets its own back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = generate(prompts_jsonl, tmp_path / "out.parquet", model_dirs[0], "--mode", "ar", "--threads", "1")
+        assert result.exit_code == 0, result.output
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
