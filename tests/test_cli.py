@@ -285,3 +285,21 @@ def test_threads_apply_to_the_job_alone(tmp_path, prompts_jsonl, model_dirs):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_sets_a_passive_openmp_wait_policy_before_torch_loads(given, expected):
+    """OpenMP reads its wait policy once, when torch loads it: the command sets it first, unless the user chose."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    code = ("import os, sys\n"
+            "class Spy:  # records the wait policy at the moment torch is first imported\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'torch': print(os.environ.get('OMP_WAIT_POLICY'))\n"
+            "sys.meta_path.insert(0, Spy())\n"
+            "import batchspec_cli.cli\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
