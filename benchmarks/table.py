@@ -1,6 +1,6 @@
 """The README's Performance table from one or more `bench.py` JSON files.
 
-    python benchmarks/table.py benchmarks/results/cpu_b1.json benchmarks/results/cpu_b4_b8.json ...
+    python benchmarks/table.py benchmarks/results/cpu.json
 
 Rows are sorted by batch size, category (``--by-category`` runs), prompts, then mode (ar, auto, eqspec, exspec,
 hf), drafter and k. Older files (no ``label`` / ``category`` / ``acceptance``) print with ``-`` where a field is
