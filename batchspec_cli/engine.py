@@ -215,7 +215,9 @@ class Engine:
         The pooled modes admit a whole batch at a time (admitted rows form one same-length
         group); ar and eqspec refill their batch as soon as a quarter of it is free
         (continuous batching): the next round's ``_prepare`` realigns the batch, new rows
-        included, into one rectangle.
+        included, into one rectangle. While the policy does not speculate (``wants_pool``
+        false: auto's PLAIN arm, or no drafter) the pool, too, holds one batch and refills
+        like ar: rows that only take plain steps stay in step and need no grouping.
         """
         free = self.pool.free_slots()
         if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, as ar holds
