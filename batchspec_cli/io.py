@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import glob
 import json
 import math
 import os
@@ -443,7 +444,10 @@ def check_distinct(inputs: list[Path], outputs: list[tuple[str, Path]]) -> None:
     Paths are compared resolved (symbolic links followed) and, where they exist, by inode
     (hard links). `outputs` are (how the message names it, path) pairs."""
     seen: list[tuple[str, Path, Path, tuple | None]] = []
-    for path in inputs:
+    # A glob input (a Hugging Face dataset given as data files) is every file it matches.
+    expanded = [Path(p) for path in inputs
+                for p in (sorted(glob.glob(str(path))) or [path] if glob.has_magic(str(path)) else [path])]
+    for path in expanded:
         real, inode = _identity(path)
         seen.append(("the input", Path(path), real, inode))
     for label, path in outputs:

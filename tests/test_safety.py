@@ -483,3 +483,16 @@ def test_a_signal_while_the_models_load_stops_at_once_with_nothing_left(tmp_path
     assert result.exit_code == 128 + sig and "Traceback" not in result.output, result.output
     assert "nothing was written" in result.output and entries(tmp_path) == {"in.jsonl"}
     assert generate(inp, out, model).exit_code == 0 and rows(out) == reference
+
+
+def test_an_output_that_a_glob_input_matches_is_refused(tmp_path):
+    """A dataset given as a glob reads every file it matches: OUT (or --stats) among them would destroy an input."""
+    from batchspec_cli.io import InputError, check_distinct
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("a.parquet", "b.parquet"):
+        (shards / name).write_bytes(b"x")
+    with pytest.raises(InputError, match="is the input"):
+        check_distinct([shards / "*.parquet"], [("OUT", shards / "b.parquet")])
+    check_distinct([shards / "*.parquet"], [("OUT", tmp_path / "out.parquet")])  # elsewhere: fine
