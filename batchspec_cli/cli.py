@@ -234,34 +234,9 @@ class StopNow(BaseException):
 
 
 @contextlib.contextmanager
-def _raise_on_signals():
-    """SIGINT / SIGTERM raise StopNow (the job is not running yet: there is nothing to finish first)."""
-    def handler(signum, frame):
-        raise StopNow(signum)
-
+def _handling_signals(handler):
+    """``handler`` for SIGINT / SIGTERM while the block runs, the previous handlers after it."""
     previous = {}
-    try:
-        for sig in STOP_SIGNALS:
-            previous[sig] = signal.signal(sig, handler)
-    except ValueError:  # not the main thread: the caller owns signals
-        pass
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def _stop_on_signals(job: Generation):
-    """SIGINT / SIGTERM ask the job to stop after the current step; a second one acts at once."""
-    previous = {}
-
-    def handler(signum, frame):
-        if job.stop_requested:
-            raise StopNow(signum)
-        job.stop(signum)
-
     for sig in STOP_SIGNALS:
         try:
             previous[sig] = signal.signal(sig, handler)
@@ -272,6 +247,24 @@ def _stop_on_signals(job: Generation):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _raise_on_signals():
+    """SIGINT / SIGTERM raise StopNow (the job is not running yet: there is nothing to finish first)."""
+    def handler(signum, frame):
+        raise StopNow(signum)
+
+    return _handling_signals(handler)
+
+
+def _stop_on_signals(job: Generation):
+    """SIGINT / SIGTERM ask the job to stop after the current step; a second one acts at once."""
+    def handler(signum, frame):
+        if job.stop_requested:
+            raise StopNow(signum)
+        job.stop(signum)
+
+    return _handling_signals(handler)
 
 
 def _start_ray(job: Generation, out: Console, log: JsonLog, address, workers, block_rows, stack):
