@@ -44,6 +44,7 @@ from .events import Request, RowResult, StepStats
 from .runner import GenerateConfig, Generation, build_engine, use_kernels
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
+POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models
 _END = object()
 INSTALL_HINT = "--ray needs Ray: pip install 'batchspec[ray]'"
 
@@ -238,10 +239,15 @@ class RayExecutor:
         context.enable_progress_bars = False  # the CLI draws the job's one bar
         context.print_on_execution_start = False
         context.execution_options.preserve_order = False  # blocks come back as they finish
+        # The blocks start once every worker has loaded its models: a worker that cannot load fails the
+        # job before any row runs, and the first worker up does not take every block of a short job.
+        context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
         items = [{"block": i, "requests": pickle.dumps(b)} for i, b in enumerate(blocks)]
         ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             Worker, fn_constructor_kwargs={"spec": self.worker_spec()}, batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks))),
+            # one block at a time per worker: a block is a whole engine run, and one queued behind a busy
+            # worker would wait while another worker idles
+            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks)), max_tasks_in_flight_per_actor=1),
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
         step = 0
