@@ -46,7 +46,10 @@ round feeds the missing columns in its first forward; once an option has a real
 measurement, the rounds' measured times include their catch-up, so while the policy keeps
 leaving the draft behind the catch-up shows in the option's cost as the recurring cost it
 is (a long catch-up is never an option's first measurement). The lag a group has now is
-charged at the calibrated cost per column, spread over the rounds the rows have left.
+charged at the calibrated cost per column, spread over the rounds the rows have left, or,
+while SPEC is only on trial, over the trial's ``TRIAL_ROUNDS`` when that is shorter (a trial
+that loses leaves the draft behind again). While SPEC is on trial the pool holds the batch
+in flight (``wants_pool``): a losing trial has not paid for admitting a second batch.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ WINDOW_SECONDS = 2.0  # ... and lasts at least this long (wall clock)
 SUB_WINDOWS = 5  # a window's rate: the median of this many consecutive slices (one stall cannot decide)
 MARGIN = 1.03  # a challenger takes over when two windows in a row beat the incumbent's last one by this
 FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses
+TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -411,6 +415,9 @@ class Goodput(FixedK):
         self.count: dict[int, int] = {}  # G -> rounds chosen
         self.ladder: dict[str, int] = {}  # drafter -> largest k measured in a real round
         self.last_round = None  # (G, context, option, weight) of the last round: the next one's move is added
+        # Rounds a catch-up can serve at most: None, the rows' rest; a number while speculation is only on trial
+        # (a trial that loses leaves the draft behind again, so the next trial feeds the same columns anew).
+        self.horizon: int | None = None
 
     def seed(self, calibration: Calibration) -> None:
         """Seed every speculative option from bare forwards (plain steps are measured by real rounds)."""
@@ -462,6 +469,8 @@ class Goodput(FixedK):
             for k in range(1, min(self.k, longest, ladder) + 1):
                 expected = self.expected(group, names, lengths, k)
                 per_round = expected / size / max(group.remaining, 1.0)  # this round's share of the rows' rest
+                if self.horizon:  # ... or of the trial's rounds, when that is shorter
+                    per_round = max(per_round, 1.0 / self.horizon)
                 cost = self._cost(group, source, k, catch_up, per_round)
                 if cost:
                     choice = Choice(k, source, names if source == "lookup" else None, expected, cost, plain)
@@ -521,11 +530,14 @@ class Auto:
         return self.arms.arm == SPEC and self.spec.wants_draft()
 
     def wants_pool(self) -> bool:
-        return self.arms.arm == SPEC
+        """The whole pool once SPEC has won; a SPEC trial runs on the batch in flight, so a trial that loses
+        has not paid for admitting and realigning a second batch."""
+        return self.arms.arm == SPEC and self.arms.incumbent == SPEC
 
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
         if self.arms.arm == PLAIN:
             return Choice(0, expected_tokens=float(len(group.rows)), arm=PLAIN)
+        self.spec.horizon = None if self.arms.incumbent == SPEC else TRIAL_ROUNDS
         choice = self.spec.choose(group, sources)
         choice.arm = SPEC
         return choice

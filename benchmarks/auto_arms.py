@@ -4,7 +4,7 @@
 
 Per batch size: ar, auto (the default drafters: the shipped draft model + suffix) and
 ``auto-plain`` (auto whose arms never leave PLAIN: the pooled engine's cost without
-speculation) run forward then backward over the same Spec-Bench prompts; outputs must be
+speculation) and, when asked, ``auto-spec`` (SPEC from the first round, never re-testing PLAIN) run forward then backward over the same Spec-Bench prompts; outputs must be
 identical. Reports each run's tokens/s over ar's (the mean of the two passes, and the spread:
 the ratio of each pass to the ar pass next to it), the time each arm of auto ran and the
 rates its windows measured. One JSON line last.
@@ -38,11 +38,20 @@ class PlainOnly(control.Arms):
         pass
 
 
+class SpecOnly(PlainOnly):
+    """SPEC from the first round on, never re-testing PLAIN: what speculation alone gives."""
+
+    def __init__(self):
+        super().__init__()
+        self.incumbent = self.arm = control.SPEC
+        self.window = control.Window(control.SPEC)
+
+
 def run(target, draft, eos, reqs, name: str, batch: int, k: int):
     policy = None
-    if name == "auto-plain":
+    if name in ("auto-plain", "auto-spec"):
         policy = control.Auto(k)
-        policy.arms = PlainOnly()
+        policy.arms = PlainOnly() if name == "auto-plain" else SpecOnly()
     engine = Engine(target, None if name == "ar" else draft, eos,
                     EngineConfig(mode="ar" if name == "ar" else "auto", k=k, batch_size=batch, window=4 * batch),
                     lookups=[] if name == "ar" else drafters.make(["suffix"]), policy=policy)
@@ -88,7 +97,7 @@ def main() -> None:
             times[name].append(seconds)
             if outputs.setdefault(name, results) != results or results != outputs[args.runs[0]]:
                 sys.exit(f"batch {batch}: {name} differs from {args.runs[0]}")
-            if name == "auto":
+            if name.startswith("auto"):
                 ran = {}
                 for s in stats:
                     if s.arm:
@@ -97,20 +106,21 @@ def main() -> None:
                         ran[s.arm][1] += 1
                         if s.window_tokens_per_s:
                             ran[s.arm][2].append(round(s.window_tokens_per_s, 1))
-                arms.setdefault("passes", []).append(ran)
+                arms.setdefault(name, []).append(ran)
         tokens = sum(len(t) for t in outputs[args.runs[0]].values())
         row = {"batch": batch, "tokens": tokens}
         for name in args.runs:
             passes = [ar / mine for ar, mine in zip(times["ar"], times[name])]
             row[name] = {"seconds": times[name], "ratio_vs_ar": statistics.mean(passes), "passes": passes}
-        row["auto_arms"] = arms.get("passes")
+        row["arms"] = arms
         out.append(row)
         cells = [f"{n} {row[n]['ratio_vs_ar']:.3f}x ({' / '.join(f'{p:.3f}' for p in row[n]['passes'])})"
                  for n in args.runs if n != "ar"]
         print(f"batch {batch:2}: " + "  ".join(cells), flush=True)
-        for i, ran in enumerate(row["auto_arms"] or []):
-            print(f"          auto pass {i + 1}: " + "; ".join(
-                f"{arm} {v[0]:.1f} s in {v[1]} rounds, windows {v[2]} tok/s" for arm, v in ran.items()), flush=True)
+        for name, passes in arms.items():
+            for i, ran in enumerate(passes):
+                print(f"          {name} pass {i + 1}: " + "; ".join(
+                    f"{arm} {v[0]:.1f} s in {v[1]} rounds, windows {v[2]} tok/s" for arm, v in ran.items()), flush=True)
     print(json.dumps({"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "threads": args.threads,
                       "rows": out}))
 

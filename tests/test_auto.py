@@ -120,6 +120,23 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
     assert policy.choose(rows(8, 10_000.0), model(catch_up=400)).k > 0  # ... or spread over a long completion
 
 
+def test_a_spec_trial_charges_a_catch_up_over_its_own_rounds_not_the_rows_rest():
+    """The draft left behind by PLAIN windows: a trial that loses leaves it behind again, so the catch-up serves
+    the trial's rounds only; once SPEC has won, it serves the rows' rest."""
+    policy = Auto(5)
+    policy.spec = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.02)
+    for r in range(8):
+        for _ in range(20):
+            policy.spec.acceptance.observe(("model", r), 5, 3)
+    for k in range(1, 6):
+        policy.spec.observe(report(8, "model", k, 0.1))
+    policy.arms.arm = SPEC  # on trial: PLAIN is the incumbent
+    assert policy.choose(rows(8, 1000.0), model()).k > 0  # a current draft pays
+    assert policy.choose(rows(8, 1000.0), model(catch_up=400)).k == 0  # 400 columns for one trial's rounds
+    policy.arms.incumbent = SPEC
+    assert policy.choose(rows(8, 1000.0), model(catch_up=400)).k > 0  # ... or for 1000 tokens of every row
+
+
 def test_measured_rounds_overrule_the_calibration_and_exploration_remeasures():
     """Bare forwards said k = 1 pays; the rounds say it costs 1.6 plain steps (realignment, overhead): plain wins.
     Plain is then re-measured every so often, so a plain step that got dearer is found out."""

@@ -129,6 +129,15 @@ class _PlainOnly(control.Arms):
         pass
 
 
+class _SpecTrial(_PlainOnly):
+    """Arms stuck in a SPEC trial: SPEC runs, PLAIN stays the incumbent."""
+
+    def __init__(self):
+        super().__init__()
+        self.arm = control.SPEC
+        self.window = control.Window(control.SPEC)
+
+
 def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     """auto with a drafter keeps a window of 4 x batch for speculation to group, but while its PLAIN arm runs it
     admits one batch, as ar does: rows in step, no realignment of rows admitted apart, KV for one batch."""
@@ -144,6 +153,19 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     assert all(s.k == 0 for s in stats if s.group_kind != "prefill")
     assert engine.pool.target.rows <= 4, "slots beyond one batch were filled"
     assert engine.pool.draft is None or not engine.pool.draft.keys, "the draft never ran, so no draft KV"
+    # A SPEC trial (PLAIN still the incumbent) speculates on the batch in flight; SPEC as the incumbent fills.
+    policy = control.Auto(3)
+    policy.arms = _SpecTrial()
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
+    results, stats = run(engine, prompts, 12)
+    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert all(s.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
+    assert engine.pool.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
+    policy.arms.incumbent = control.SPEC
+    results, _ = run(engine, prompts, 12)
+    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert engine.pool.target.rows > 4, "SPEC as the incumbent fills the window"
     # A policy that speculates fills the window.
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
