@@ -38,10 +38,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__  # from importlib.metadata
 from .checkpoint import CheckpointError
+from .config import GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .io import InputError, check_distinct, one_line, stats_path_for
-from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError, os_error_message
+from .runner import BucketDone, Generation, Interrupted, Started
 from .stats import acceptance_length
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
@@ -495,7 +496,7 @@ def bucket(
 
     from . import io as bio
     from . import models
-    from .runner import GenerateConfig, tokenizer_settings
+    from .config import GenerateConfig, tokenizer_settings
 
     if bucket_width is not None and bucket_width < 1:
         raise fail(f"--bucket-width must be positive, got {bucket_width}")

@@ -41,7 +41,8 @@ from typing import Iterable, Iterator
 
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
-from .runner import GenerateConfig, Generation, build_engine, use_kernels
+from .config import GenerateConfig
+from .runner import Generation, build_engine, use_kernels
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models

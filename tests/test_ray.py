@@ -47,7 +47,8 @@ def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_mo
     saved rows as a resumed single-process engine's do, not start empty (no Ray needed: a Worker in-process)."""
     from batchspec_cli.distributed import RayConfig, RayExecutor, Worker
     from batchspec_cli.events import RowResult
-    from batchspec_cli.runner import GenerateConfig, Generation
+    from batchspec_cli.config import GenerateConfig
+    from batchspec_cli.runner import Generation
 
     inp = tmp_path / "in.jsonl"
     rng = random.Random(3)

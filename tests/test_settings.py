@@ -11,7 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
-from batchspec_cli.runner import FINGERPRINT_LABELS, GenerateConfig, Generation, settings
+from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
+from batchspec_cli.runner import Generation
 
 
 def generate_command_params() -> dict:
