@@ -17,7 +17,7 @@ from batchspec_cli.cli import app
 from batchspec_cli.events import RowResult, TokenLogprob
 from batchspec_cli.models import load_model
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.runner import Generation
+from batchspec_cli.job import Generation
 from conftest import save_target_and_draft_dirs
 
 torch.set_num_threads(1)

@@ -1,0 +1,32 @@
+"""job.StepNumbering: the steps of several engine runs as one sequence (resume, Ray blocks)."""
+
+from __future__ import annotations
+
+from batchspec_cli.events import StepStats
+from batchspec_cli.job import StepNumbering
+
+
+def steps(*numbers: int) -> list[StepStats]:
+    return [StepStats(bucket=0, step=n, group_kind="ar", batch_size=1, k=0, accepted=[0], tokens_emitted=1,
+                      pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0, verify_ms=1.0,
+                      realign_ms=0.0, gather_ms=0.0, total_ms=1.0) for n in numbers]
+
+
+def test_a_resumed_run_continues_after_the_saved_steps():
+    numbering = StepNumbering(last=7)  # the interrupted run saved steps 1..7
+    assert [numbering(s).step for s in steps(1, 2, 3)] == [8, 9, 10]
+
+
+def test_runs_follow_each_other_in_arrival_order():
+    numbering = StepNumbering()
+    first = [numbering(s).step for s in steps(1, 2, 3)]
+    numbering.next_run()
+    second = [numbering(s).step for s in steps(1, 2)]
+    numbering.next_run()
+    third = [numbering(s).step for s in steps(1)]
+    assert first + second + third == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_engine_event_is_not_changed():
+    event = steps(2)[0]
+    assert StepNumbering(last=5)(event).step == 7 and event.step == 2
