@@ -45,9 +45,9 @@ RAY = ("--ray", "--ray-workers", "2", "--ray-block-rows", "3")
 def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_model_dir):
     """The driver reads the requests (and the saved rows) for the workers; each worker's drafters must learn the
     saved rows as a resumed single-process engine's do, not start empty (no Ray needed: a Worker in-process)."""
+    from batchspec_cli.config import GenerateConfig
     from batchspec_cli.distributed import RayConfig, RayExecutor, Worker
     from batchspec_cli.events import RowResult
-    from batchspec_cli.config import GenerateConfig
     from batchspec_cli.job import Generation
 
     inp = tmp_path / "in.jsonl"
