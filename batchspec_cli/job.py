@@ -136,6 +136,10 @@ class _Unsaved:
 
 
 class Generation:
+    """A job being run: its ``plan`` (fixed at ``open``) and what the run adds to it — the finished rows
+    and steps (``_record``), the checkpoint parts not yet written (``_Unsaved``), the buckets done
+    (``BucketProgress``). A row reaches disk in a checkpoint part, then in ``finish``'s files."""
+
     def __init__(self, cfg: GenerateConfig, work: WorkDir, plan: JobPlan, threads_before: int | None = None):
         self.cfg, self.work, self.plan = cfg, work, plan
         self.results: dict[int, RowResult] = {r.row: r for r in plan.resumed + plan.announce}
