@@ -38,10 +38,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__  # from importlib.metadata
 from .checkpoint import CheckpointError
+from .config import GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .events import RowResult, StepStats
 from .io import InputError, check_distinct, one_line, stats_path_for
-from .runner import BucketDone, GenerateConfig, Generation, Interrupted, Started, UsageError, os_error_message
+from .job import BucketDone, Generation, Interrupted, Started
 from .stats import acceptance_length
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
@@ -495,23 +496,21 @@ def bucket(
 
     from . import io as bio
     from . import models
-    from .runner import GenerateConfig, tokenizer_settings
+    from .config import GenerateConfig, tokenizer_settings
+    from .prompts import render_prompts
 
     if bucket_width is not None and bucket_width < 1:
         raise fail(f"--bucket-width must be positive, got {bucket_width}")
     try:
         inp = bio.read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        ids = []
-        for row, prompt in enumerate(inp.prompts):
-            try:
-                ids.append(bio.render_prompt(tokenizer, prompt, chat, system))
-            except Exception as exc:  # noqa: BLE001 - a chat template may raise anything
-                raise fail(f"{input}: row {row + 1}: cannot render the prompt ({one_line(exc)}); "
-                           f"`generate` would report it as an error row") from None
+        rendered = render_prompts(inp, tokenizer, chat, system)
+        if rendered.errors:
+            row, error = min(rendered.errors.items())
+            raise fail(f"{input}: row {row + 1}: {error}; `generate` would report it as an error row")
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
                              id_column=id_column, chat=chat, system=system)
-        manifest = build_buckets(directory, inp.table, ids, tokenizer_settings(cfg, name), width=bucket_width,
+        manifest = build_buckets(directory, inp.table, rendered.ids, tokenizer_settings(cfg, name), width=bucket_width,
                                  min_rows=min_rows, overwrite=overwrite)
     except (bio.InputError, models.ModelError, BucketError) as exc:
         raise fail(str(exc)) from None

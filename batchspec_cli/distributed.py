@@ -39,9 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from .config import GenerateConfig
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
-from .runner import GenerateConfig, Generation, build_engine, use_kernels
+from .job import Generation, StepNumbering, build_engine
+from .plan import use_kernels
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models
@@ -175,8 +177,8 @@ class RayExecutor:
         cfg = job.cfg
         self.threads = cfg.threads or 1
         self.block_rows = rcfg.block_rows or pool_window(cfg.batch_size, cfg.window)
-        self.spec = WorkerSpec(cfg=cfg, mode=job.mode, draft_spec=job.draft_spec, lookup_names=job.lookup_names,
-                               threads=self.threads)
+        self.spec = WorkerSpec(cfg=cfg, mode=job.plan.mode, draft_spec=job.plan.draft_spec,
+                               lookup_names=list(job.plan.lookup_names), threads=self.threads)
         self.owns_ray = False
         self.workers = 0
         self.gpus_per_worker = 0
@@ -250,7 +252,7 @@ class RayExecutor:
             compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks)), max_tasks_in_flight_per_actor=1),
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
-        step = 0
+        steps = StepNumbering()  # one step sequence for the job, in arrival order
         for out in self._arrivals(ds):
             block = int(out["block"])
             if block in seen:  # a retried block delivered twice: every row is already recorded
@@ -261,12 +263,9 @@ class RayExecutor:
             yield BlockDone(block=block, bucket=blocks[block][0].bucket, rows=len(rows),
                             errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
                             seconds=float(out["seconds"]))
-            base = step
+            steps.next_run()
             for event in events:
-                if isinstance(event, StepStats):  # one step sequence for the job, in arrival order
-                    event.step += base
-                    step = max(step, event.step)
-                yield event
+                yield steps(event) if isinstance(event, StepStats) else event
 
     def worker_spec(self) -> WorkerSpec:
         """The spec every worker is built from, once the job's requests were read (their saved rows included)."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -55,10 +55,7 @@ from .events import Request, RowResult, StepStats
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
-
-StopChecker = Callable[[list[int], int, tuple[str, ...]], int | None]
-"""(completion token ids so far, number of tokens added this round, the row's own stop strings)
--> cut length or None."""
+from .stops import StopChecker
 
 MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
@@ -248,7 +245,7 @@ class Engine:
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
         started = time.perf_counter()
-        st = self.state
+        state = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
@@ -268,10 +265,10 @@ class Engine:
 
         errors = self._prefill(slots, end)
         if self.model_drafter is not None and self.policy.wants_draft():
-            self._prefill_draft([s for s in slots if st.rows[s] is not None], end)
+            self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
-        pads = sum(st.pad[s] for s in slots)
+        pads = sum(state.pad[s] for s in slots)
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=0,
                         kv_gathered=0, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
@@ -284,9 +281,9 @@ class Engine:
         A row that does not fit even alone becomes an error row (its slot is freed).
         """
         try:
-            sel = selection(slots, self.device)
-            group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel,
-                          self.layout.tokens[sel, : end - 1], self.pool.pads(slots), 0, logits_to_keep=1)
+            rows_index = selection(slots, self.device)
+            group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index,
+                          self.layout.tokens[rows_index, : end - 1], self.pool.pads(slots), 0, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
@@ -300,14 +297,14 @@ class Engine:
         """Fill the draft cache up to ``end - 2``; on out-of-memory leave it to the first round's catch-up."""
         if not slots or end - 2 <= 0:
             return
-        sel = selection(slots, self.device)
+        rows_index = selection(slots, self.device)
         try:
-            self.model_drafter.prefill(sel, self.layout.tokens[sel, : end - 2], self.pool.pads(slots))
+            self.model_drafter.prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
         for s in slots:
-            self.state.dend[s] = end - 2
+            self.state.draft_end[s] = end - 2
 
     def _next_step(self) -> int:
         self.step_no += 1
@@ -324,7 +321,7 @@ class Engine:
 
     # ------------------------------------------------------------------ calibration (auto)
     @torch.no_grad()
-    def _calibrate(self, slots: list[int], sel, pad: torch.Tensor, T: int) -> Calibration:
+    def _calibrate(self, slots: list[int], rows_index, pad: torch.Tensor, T: int) -> Calibration:
         """Bare forward timings for the policy's speculative options, when it first asks (``wants_seed``).
 
         The target's verify of 2 and K+1 tokens runs on the group's own cache and context: it
@@ -344,15 +341,16 @@ class Engine:
             self._sync()
             return time.perf_counter() - began
 
-        last = self.layout.tokens[sel, T - 1 : T]  # [G, 1]
-        verify = {w: timed(self.target.model, self.tcache, self.target.cache_kwarg, sel, last.repeat(1, w), pad,
+        last = self.layout.tokens[rows_index, T - 1 : T]  # [G, 1]
+        verify = {w: timed(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, last.repeat(1, w), pad,
                            T - 1) for w in sorted({2, top})}
         for w in range(3, top):  # linear in between
             verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
         draft = None
         if self.model_drafter is not None:
             context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
-            tokens = self.layout.tokens[sel, T - context : T].repeat(1, 2 + top // context)  # [G, > context + K+1]
+            # tokens: [G, > context + K+1]
+            tokens = self.layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
             cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
             whole = slice(0, group)
             handle = self.draft
@@ -385,9 +383,9 @@ class Engine:
 
     # ------------------------------------------------------------------ one round
     def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
-        started, clock, st = time.perf_counter(), Clock(self.device), self.state
-        pad_before = sum(st.pad[s] for s in slots)
-        bucket = st.rows[slots[0]].bucket
+        started, clock, state = time.perf_counter(), Clock(self.device), self.state
+        pad_before = sum(state.pad[s] for s in slots)
+        bucket = state.rows[slots[0]].bucket
         # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
         clock.mark("prepare")
         plan = self.strategy.plan(self.pool.view(), slots)
@@ -395,31 +393,33 @@ class Engine:
         slots = plan.slots
         self.group = slots
         clock.mark("prepared")
-        T = st.end[slots[0]]
-        sel = selection(slots, self.device)
+        T = state.end[slots[0]]
+        rows_index = selection(slots, self.device)
         pad = self.pool.pads(slots)  # [G]
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
-            self.policy.seed(self._calibrate(slots, sel, pad, T))
+            self.policy.seed(self._calibrate(slots, rows_index, pad, T))
             clock.mark("calibrated")
         proposals = self._lookup_proposals(slots)
         choice = self._choose(slots, proposals)
         k = choice.k
-        noise = self._noise(slots, sel, k)
+        noise = self._noise(slots, rows_index, k)
         self.layout.grow(T + k + 2)
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
-            draft, drafters = self._draft(slots, sel, pad, T, choice, proposals, noise)
+            draft, drafters = self._draft(slots, rows_index, pad, T, choice, proposals, noise)
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
-            inputs = self.layout.tokens[sel, T - 1 : T]
+            inputs = self.layout.tokens[rows_index, T - 1 : T]
             if k:
                 inputs = torch.cat([inputs, draft.tokens], dim=1)  # [G, k+1]
-            logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, sel, inputs, pad, T - 1)
+            logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, inputs, pad,
+                                   T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
-            target_tokens = self._choose_tokens(logits, sel, noise, 0)  # [G, k+1]
-            logprobs = self.logprobs.device_values([st.rows[s] for s in slots], logits, target_tokens,
-                                                   st.temperature[sel], st.top_k[sel], st.top_p[sel])
+            target_tokens = self._choose_tokens(logits, rows_index, noise, 0)  # [G, k+1]
+            logprobs = self.logprobs.device_values([state.rows[s] for s in slots], logits, target_tokens,
+                                                   state.temperature[rows_index], state.top_k[rows_index],
+                                                   state.top_p[rows_index])
             if k:
                 lengths = None if choice.source == "model" else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
@@ -427,8 +427,8 @@ class Engine:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
-            committed = self._commit(sel, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
-        rows = [st.rows[s].row for s in slots]
+            committed = self._commit(rows_index, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
+        rows = [state.rows[s].row for s in slots]
         committed, results = self._bookkeep(slots, draft, committed)
         ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
@@ -441,11 +441,11 @@ class Engine:
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended = ended
         window = self.policy.observe(report)
-        live_in_group = [s for s in slots if st.rows[s] is not None]
+        live_in_group = [s for s in slots if state.rows[s] is not None]
         yield StepStats(
             bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
             accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
-            pad_after=sum(st.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
+            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
             realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
             gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
@@ -481,13 +481,13 @@ class Engine:
         remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
         if self.model_drafter is not None:
-            sources["model"] = Offer(None, state.end[slots[0]] - min(state.dend[s] for s in slots))
+            sources["model"] = Offer(None, state.end[slots[0]] - min(state.draft_end[s] for s in slots))
         choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
         if not choice.k:
             choice.source = ""
         return choice
 
-    def _noise(self, slots: list[int], sel, k: int):
+    def _noise(self, slots: list[int], rows_index, k: int):
         """(noise seeds [G, k+1], sampled flags, filter flags) for the round's positions; None when all greedy."""
         rows = [self.state.rows[s] for s in slots]
         sampled = [not r.sampling.greedy for r in rows]
@@ -495,34 +495,35 @@ class Engine:
             return None
         filters = (any(r.sampling.top_k > 0 for r in rows if not r.sampling.greedy),
                    any(r.sampling.top_p < 1.0 for r in rows if not r.sampling.greedy))
-        positions = self.state.gen[sel][:, None] + torch.arange(k + 1, device=self.device)[None, :]
-        return sampling.noise_base(self.state.keys[sel], positions), sampled, filters
+        positions = self.state.gen[rows_index][:, None] + torch.arange(k + 1, device=self.device)[None, :]
+        return sampling.noise_base(self.state.keys[rows_index], positions), sampled, filters
 
-    def _choose_tokens(self, logits: torch.Tensor, sel, noise, first: int) -> torch.Tensor:
+    def _choose_tokens(self, logits: torch.Tensor, rows_index, noise, first: int) -> torch.Tensor:
         """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
         logits = sampling.up_cast(logits)
         if noise is None:
             return logits.argmax(-1)
         base, sampled, filters = noise
-        st = self.state
-        return sampling.gumbel_tokens(logits, st.temperature[sel], st.top_k[sel], st.top_p[sel],
-                                      base[:, first : first + logits.shape[1]], sampled, filters)
+        state = self.state
+        return sampling.gumbel_tokens(logits, state.temperature[rows_index], state.top_k[rows_index],
+                                      state.top_p[rows_index], base[:, first : first + logits.shape[1]], sampled,
+                                      filters)
 
-    def _draft(self, slots, sel, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
+    def _draft(self, slots, rows_index, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
                noise) -> tuple[Proposal, list[str]]:
         """The round's drafts and [G] who drafted each row ("" none)."""
         k = choice.k
         if not k:
             return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
         if choice.source == "model":
-            rows = Rows([self.state.rows[s].row for s in slots], sel, self.layout.tokens[sel, :T], pad,
-                        min(self.state.dend[s] for s in slots),
-                        lambda logits, j: self._choose_tokens(logits, sel, noise, j))
+            rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.layout.tokens[rows_index, :T], pad,
+                        min(self.state.draft_end[s] for s in slots),
+                        lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))
             return self.model_drafter.propose(rows, k), ["model"] * len(slots)
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
-    def _commit(self, sel, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
+    def _commit(self, rows_index, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
                 logprobs: torch.Tensor | None = None) -> Committed:
         """Write the round's block and advance the rows; returns what each row committed, on the host.
 
@@ -537,14 +538,14 @@ class Engine:
         cols = torch.arange(k + 1, device=self.device)[None, :]
         is_eos = torch.isin(block, self.eos) & (cols <= n_acc[:, None])
         first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_acc, k + 1))
-        remaining = self.state.max_new[sel] - self.state.gen[sel]
+        remaining = self.state.max_new[rows_index] - self.state.gen[rows_index]
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
         extra = [] if logprobs is None else [logprobs]
         on_host = torch.cat([torch.stack([emitted, kept, code], 1), block, *extra], 1).tolist()  # [G, 3 + k+1 + n]
-        self.layout.tokens[sel, T : T + k + 1] = block
-        self.state.gen[sel] += emitted
+        self.layout.tokens[rows_index, T : T + k + 1] = block
+        self.state.gen[rows_index] += emitted
         columns = (list(column) for column in zip(*((r[0], r[1], r[2], r[3 : 4 + k]) for r in on_host)))
         return Committed(*columns, Recorder.unpack(on_host, 4 + k, k + 1))
 
@@ -583,11 +584,11 @@ class Engine:
 
     def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
         """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
-        st = self.state
-        req = st.rows[slot]
+        state = self.state
+        req = state.rows[slot]
         if error is None:
-            result = RowResult(req.row, req.id, list(st.ids[slot]), reason, drafted_tokens=st.drafted[slot],
-                               accepted_tokens=st.accepted[slot], rounds=st.rounds[slot],
+            result = RowResult(req.row, req.id, list(state.ids[slot]), reason, drafted_tokens=state.drafted[slot],
+                               accepted_tokens=state.accepted[slot], rounds=state.rounds[slot],
                                prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
         else:
             self.logprobs.pop(req.row)

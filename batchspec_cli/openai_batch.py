@@ -85,7 +85,7 @@ def is_batch_file(path: Path) -> bool:
 
 
 def read_for_job(cfg) -> bio.InputTable:
-    """read_batch for a `generate` job (``cfg``: runner.GenerateConfig); the table-only flags are refused."""
+    """read_batch for a `generate` job (``cfg``: config.GenerateConfig); the table-only flags are refused."""
     column_flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(cfg)
                     if f.name.endswith("_column") and f.name not in ("prompt_column", "id_column")
                     and getattr(cfg, f.name) is not None]

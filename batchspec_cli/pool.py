@@ -2,7 +2,7 @@
 
 A ``SlotPool`` holds the ``Layout`` (committed token ids), the target's and the draft's
 ``SlotCache``, the per-slot ``SlotState`` and the set of live slots. Each per-slot fact
-has one home: a row's padded length ``end``, padding ``pad`` and draft reach ``dend`` are
+has one home: a row's padded length ``end``, padding ``pad`` and draft reach ``draft_end`` are
 host values in ``SlotState`` (the device gets a group's pads as a tensor when a forward
 needs them); the live set is changed by ``place``, ``move`` and ``free`` only. Which rows
 move where is decided in ``grouping`` (a ``MovePlan``); ``move`` carries a plan out with
@@ -39,8 +39,8 @@ class SlotPool:
     # ------------------------------------------------------------------ reading
     def view(self) -> Slots:
         """The host state ``grouping`` decides from (shared lists, not copies: read, don't write)."""
-        st = self.state
-        return Slots(st.end, st.pad, self.live, st.last_run)
+        state = self.state
+        return Slots(state.end, state.pad, self.live, state.last_run)
 
     def free_slots(self) -> list[int]:
         return [s for s in range(self.n_slots) if self.state.rows[s] is None]
@@ -51,10 +51,10 @@ class SlotPool:
 
     def caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
         """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
-        st = self.state
+        state = self.state
         caches = [(self.target, [1] * len(slots))]
         if self.draft is not None:
-            caches.append((self.draft, [st.end[s] - st.dend[s] for s in slots]))
+            caches.append((self.draft, [state.end[s] - state.draft_end[s] for s in slots]))
         return caches
 
     # ------------------------------------------------------------------ changing
@@ -69,11 +69,11 @@ class SlotPool:
 
     def commit(self, slot: int, emitted: int, draft_refed: bool, step: int) -> None:
         """A round's host side for one row: it gained ``emitted`` tokens at ``step``."""
-        st = self.state
-        st.end[slot] += emitted  # before any stop-string cut: the layout's tokens run to here
-        st.last_run[slot] = step
+        state = self.state
+        state.end[slot] += emitted  # before any stop-string cut: the layout's tokens run to here
+        state.last_run[slot] = step
         if draft_refed:
-            st.dend[slot] = st.end[slot] - 2  # the draft is re-fed the last two committed tokens
+            state.draft_end[slot] = state.end[slot] - 2  # the draft is re-fed the last two committed tokens
 
     def move(self, plan: MovePlan) -> tuple[int, int]:
         """Carry out a plan: KV and tokens first (all or nothing), then the slot state as a unit.
@@ -84,13 +84,13 @@ class SlotPool:
         """
         if not plan.moves:
             return 0, 0
-        st = self.state
+        state = self.state
         src, dst = [s for s, _, _ in plan.moves], [d for _, d, _ in plan.moves]
-        ends = [st.end[s] for s in src]
+        ends = [state.end[s] for s in src]
         per_row = realign(self.layout, self.caches(src), src, dst, ends, [e for _, _, e in plan.moves],
-                          [st.pad[s] for s in src])
-        st.move(plan.moves, device_tensor(src, self.device), device_tensor(dst, self.device))
-        self._set_live(st.live())
+                          [state.pad[s] for s in src])
+        state.move(plan.moves, device_tensor(src, self.device), device_tensor(dst, self.device))
+        self._set_live(state.live())
         realigned = sum(n for n, old, (_, _, new) in zip(per_row, ends, plan.moves) if new != old)
         return realigned, sum(per_row) - realigned
 

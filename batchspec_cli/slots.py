@@ -32,7 +32,7 @@ class SlotState:
     rows: list = field(default_factory=list)  # Request or None (free slot)
     end: list = field(default_factory=list)  # padded length: the column after the last committed token
     pad: list = field(default_factory=list)  # left padding (the device gets a group's pads per forward)
-    dend: list = field(default_factory=list)  # the draft cache covers columns [0, dend)
+    draft_end: list = field(default_factory=list)  # the draft cache covers columns [0, draft_end)
     last_run: list = field(default_factory=list)  # step at which the row last ran
     ids: list = field(default_factory=list)  # committed completion ids (a list per live slot)
     drafted: list = field(default_factory=list)
@@ -42,11 +42,11 @@ class SlotState:
     @classmethod
     def empty(cls, n: int, device: torch.device) -> "SlotState":
         zeros = torch.zeros(n, dtype=torch.long, device=device)
-        host = {f.name: [None if f.name in ("rows", "ids") else 0] * n for f in fields(cls)
+        host_lists = {f.name: [None if f.name in ("rows", "ids") else 0] * n for f in fields(cls)
                 if f.name not in DEVICE_FIELDS}
         return cls(gen=zeros, max_new=zeros.clone(), keys=zeros.clone(),
                    temperature=torch.zeros(n, dtype=torch.float64, device=device), top_k=zeros.clone(),
-                   top_p=torch.ones(n, dtype=torch.float64, device=device), **host)
+                   top_p=torch.ones(n, dtype=torch.float64, device=device), **host_lists)
 
     def live(self) -> list[int]:
         return [s for s, row in enumerate(self.rows) if row is not None]
@@ -64,7 +64,7 @@ class SlotState:
         self.top_p[idx] = torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float64, device=device)
         for s, req in zip(slots, requests):
             self.rows[s], self.end[s], self.pad[s] = req, end, end - len(req.prompt_ids)
-            self.dend[s] = self.pad[s]
+            self.draft_end[s] = self.pad[s]
             self.ids[s] = []
             self.drafted[s] = self.accepted[s] = self.rounds[s] = 0
 
@@ -87,7 +87,7 @@ class SlotState:
                 self.clear(s)
         for (s, d, new_end), row in zip(plan, snapshot):
             shift = new_end - row["end"]
-            row["end"], row["pad"], row["dend"] = new_end, row["pad"] + shift, row["dend"] + shift
+            row["end"], row["pad"], row["draft_end"] = new_end, row["pad"] + shift, row["draft_end"] + shift
             for name, value in row.items():
                 getattr(self, name)[d] = value
 

@@ -31,7 +31,7 @@ OUTPUT_FORMATS = ("auto", "parquet", "openai")
 
 
 def read(cfg) -> tuple[bio.InputTable, str]:
-    """The job's input (``cfg``: a runner.GenerateConfig) and its hash; InputError with a one-line message."""
+    """The job's input (``cfg``: a config.GenerateConfig) and its hash; InputError with a one-line message."""
     kind = datasets_input.kind(cfg.input)
     if kind is None:  # a file path (existing or not): the file readers
         if cfg.split != datasets_input.DEFAULT_SPLIT or cfg.dataset_config is not None:

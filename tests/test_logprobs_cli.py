@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 
 from batchspec_cli import io as bio
 from batchspec_cli.cli import app
+from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult, TokenLogprob
+from batchspec_cli.job import Generation
 from batchspec_cli.models import load_model
-from batchspec_cli.runner import GenerateConfig, Generation
 from conftest import save_target_and_draft_dirs
 
 torch.set_num_threads(1)

@@ -18,10 +18,11 @@ from typer.testing import CliRunner
 
 from batchspec_cli import openai_batch
 from batchspec_cli.cli import app
+from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult, Sampling, TokenLogprob
 from batchspec_cli.io import InputTable
+from batchspec_cli.job import Generation, work_dir_for
 from batchspec_cli.models import load_model
-from batchspec_cli.runner import GenerateConfig, Generation, work_dir_for
 from conftest import greedy_reference, make_tokenizer, save_target_and_draft_dirs
 
 torch.set_num_threads(1)

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from batchspec_cli.cli import app
 from batchspec_cli.distributed import make_blocks
 from batchspec_cli.events import Request
-from batchspec_cli.runner import work_dir_for
+from batchspec_cli.job import work_dir_for
 from conftest import save_target_and_draft_dirs, save_tiny_model_dir
 
 cli = CliRunner()
@@ -45,9 +45,10 @@ RAY = ("--ray", "--ray-workers", "2", "--ray-block-rows", "3")
 def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_model_dir):
     """The driver reads the requests (and the saved rows) for the workers; each worker's drafters must learn the
     saved rows as a resumed single-process engine's do, not start empty (no Ray needed: a Worker in-process)."""
+    from batchspec_cli.config import GenerateConfig
     from batchspec_cli.distributed import RayConfig, RayExecutor, Worker
     from batchspec_cli.events import RowResult
-    from batchspec_cli.runner import GenerateConfig, Generation
+    from batchspec_cli.job import Generation
 
     inp = tmp_path / "in.jsonl"
     rng = random.Random(3)

@@ -26,8 +26,9 @@ from typer.testing import CliRunner
 
 from batchspec_cli import io as bio
 from batchspec_cli.cli import app
+from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult
-from batchspec_cli.runner import GenerateConfig, Generation, work_dir_for
+from batchspec_cli.job import Generation, work_dir_for
 from conftest import save_tiny_model_dir
 
 cli = CliRunner()

@@ -11,7 +11,9 @@ import typer
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
-from batchspec_cli.runner import FINGERPRINT_LABELS, GenerateConfig, Generation, settings
+from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
+from batchspec_cli.job import Generation, metadata
+from batchspec_cli.plan import fingerprint
 
 
 def generate_command_params() -> dict:
@@ -74,7 +76,7 @@ def test_fingerprint_labels_are_unchanged_in_order():
 
 
 def a_job(draft: bool) -> SimpleNamespace:
-    """What fingerprint() and metadata() read of a Generation, with every setting away from its default."""
+    """What fingerprint() and metadata() read of a job (its config and plan), with every setting away from its default."""
     cfg = GenerateConfig(input=Path("in.jsonl"), output=Path("out.parquet"), target="t", draft="d", mode="eqspec", k=3,
                          batch_size=4, window=None, max_new_tokens=9, max_prompt_tokens=99, prompt_column="p",
                          id_column="i", chat=False, system="sys", stop=("a", "b"), dtype="float64", device="cpu",
@@ -88,7 +90,7 @@ def a_job(draft: bool) -> SimpleNamespace:
 
 
 def old_fingerprint(job) -> dict:
-    """Generation.fingerprint() as it was written out field by field: old work directories hold this."""
+    """The fingerprint as it was written out field by field: old work directories hold this."""
     cfg = job.cfg
     sig = lambda m: {"name": m.name, "source": m.source, "files": {}}  # noqa: E731
     return {
@@ -122,21 +124,21 @@ def old_metadata(job) -> dict:
 
 
 def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
-    monkeypatch.setattr("batchspec_cli.runner._transformers_version", lambda: "x")
-    monkeypatch.setattr("batchspec_cli.runner.__version__", "0.1.0")
+    monkeypatch.setattr("batchspec_cli.job._transformers_version", lambda: "x")
+    monkeypatch.setattr("batchspec_cli.job.__version__", "0.1.0")
     for draft in (True, False):
         job = a_job(draft)
-        assert Generation.fingerprint(job) == old_fingerprint(job)  # an old work directory still resumes
-        metadata, old = Generation.metadata(job), old_metadata(job)
-        assert {key: metadata[key] for key in old} == old  # the old keys keep their values
+        assert fingerprint(job.cfg, job) == old_fingerprint(job)  # an old work directory still resumes
+        meta, old = metadata(job.cfg, job), old_metadata(job)
+        assert {key: meta[key] for key in old} == old  # the old keys keep their values
         # added with the model-free drafters, --kernels, then the inputs of issue 28
-        assert set(metadata) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
-        assert metadata["drafters"] == (["model"] if draft else []) + ["suffix"] and metadata["kernels"] == "stock"
+        assert set(meta) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
+        assert meta["drafters"] == (["model"] if draft else []) + ["suffix"] and meta["kernels"] == "stock"
 
 
 def test_a_recent_setting_enters_the_fingerprint_only_away_from_its_default():
     job = a_job(False)
-    assert not RECENT & set(Generation.fingerprint(job))  # an old work directory has none of them
+    assert not RECENT & set(fingerprint(job.cfg, job))  # an old work directory has none of them
     job.cfg.stop_column, job.cfg.split = "s", "test"
-    fingerprint = Generation.fingerprint(job)
-    assert fingerprint["stop_column"] == "s" and fingerprint["split"] == "test" and "top_p_column" not in fingerprint
+    record = fingerprint(job.cfg, job)
+    assert record["stop_column"] == "s" and record["split"] == "test" and "top_p_column" not in record

@@ -1,0 +1,272 @@
+"""The settings of one `generate` job: `GenerateConfig`, what each setting means outside it
+(fingerprint, output metadata, its flag), their validation, and the per-row overrides read
+from input columns.
+
+Nothing here loads a model or touches a file but the input table it is given: `job.Generation`
+turns a validated config into a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import io as bio
+from . import logprobs as lp
+from . import sources
+from .engine import MODES
+
+KERNELS = ("stock", "packed")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+
+
+class UsageError(Exception):
+    """A problem with the user's flags, files or models: one line, exit code 2."""
+
+
+def os_error_message(exc: OSError) -> str:
+    """An error of the machine (a full disk, a read-only filesystem) as one line naming the file."""
+    return f"{exc.filename or 'a file'}: {exc.strerror or bio.one_line(exc)}"
+
+
+def setting(default=dataclasses.MISSING, *, fingerprint: bool = False, metadata: bool = False,
+            name: str | None = None, label: str | None = None, recent: bool = False):
+    """A `GenerateConfig` field that is part of the job's fingerprint and/or its output metadata (see `Setting`)."""
+    return field(default=default, metadata={"fingerprint": fingerprint, "metadata": metadata, "name": name,
+                                            "label": label, "recent": recent})
+
+
+@dataclass
+class GenerateConfig:
+    """One `generate` job. Every setting is declared here, once.
+
+    `setting(fingerprint=True)` marks what decides the rows' completions: it goes in the
+    job's fingerprint, and a resumed run must match it (the order below is the order changes
+    are reported in); `metadata=True`: it is recorded in the output files. The `generate`
+    command has one parameter per field, named as `Setting.name` (the field's name unless
+    given), with the flag ``--name-with-dashes`` (tests/test_settings.py checks that they
+    correspond). Anything else (batch size, threads, device...) may change between a run and
+    its resumption. A new setting is a field here plus its Typer option; a new fingerprint setting is
+    `recent=True`, so the work directory of a run by an older version, which never had it, still resumes.
+    """
+
+    input: Path = setting(fingerprint=True, metadata=True, label="the input's contents")
+    output: Path = setting()
+    # Input and output kinds (sources.py): auto | table | openai; auto (by OUT's suffix) | parquet | openai.
+    input_format: str = setting("auto", fingerprint=True, metadata=True, recent=True)
+    output_format: str = setting("auto", metadata=True)
+    split: str = setting("train", fingerprint=True, metadata=True, recent=True)  # of a Hugging Face dataset
+    dataset_config: str | None = setting(None, fingerprint=True, metadata=True, recent=True, name="config")
+    # What decides the completions.
+    limit: int | None = setting(None, fingerprint=True)
+    target: str | None = setting(None, fingerprint=True, metadata=True)
+    draft: str | None = setting(None, fingerprint=True, metadata=True)
+    mode: str = setting("auto", fingerprint=True, metadata=True)
+    k: int = setting(5, fingerprint=True, metadata=True, name="draft_tokens")
+    max_new_tokens: int = setting(256, fingerprint=True, metadata=True)
+    max_prompt_tokens: int | None = setting(None, fingerprint=True, metadata=True)  # longer prompts: error rows
+    temperature: float = setting(0.0, fingerprint=True, metadata=True)
+    top_k: int = setting(0, fingerprint=True, metadata=True)
+    top_p: float = setting(1.0, fingerprint=True, metadata=True)
+    seed: int = setting(0, fingerprint=True, metadata=True)
+    # Per-row overrides read from input columns (null: the flag's value).
+    temperature_column: str | None = setting(None, fingerprint=True, metadata=True)
+    seed_column: str | None = setting(None, fingerprint=True, metadata=True)
+    max_new_tokens_column: str | None = setting(None, fingerprint=True, metadata=True)
+    top_p_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    stop_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # string or list of them
+    stop: tuple[str, ...] = setting((), fingerprint=True, metadata=True)
+    chat: bool = setting(True, fingerprint=True, metadata=True, label="--chat/--no-chat")
+    system: str | None = setting(None, fingerprint=True, metadata=True)
+    prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
+    id_column: str = setting("id", fingerprint=True, metadata=True)
+    dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # What the output holds besides the completions.
+    logprobs: int | None = setting(None, fingerprint=True, metadata=True, recent=True)  # the top N alternatives too
+    logprobs_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # per-row N
+    logprobs_mode: str = setting("raw", fingerprint=True, metadata=True, recent=True)  # raw | processed (logprobs.py)
+    # How the job runs.
+    batch_size: int = setting(8, metadata=True)
+    window: int | None = setting(None, metadata=True)  # default 4 x batch size
+    device: str = setting("auto", metadata=True)
+    stats: Path | None = None
+    bucket_width: int | None = None
+    threads: int | None = None
+    kernels: str = setting("stock", metadata=True)  # packed: oneDNN-prepacked linear layers on a CPU (kernels.py)
+    # Scale-out (see distributed.py): how the job is spread, never what it computes.
+    ray: bool = False
+    ray_address: str | None = None  # implies ray
+    ray_workers: int | None = None
+    ray_block_rows: int | None = None
+    overwrite: bool = False
+    restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
+    quiet: bool = False
+    checkpoint_rows: int = 32  # save a part after this many finished rows ...
+    checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
+
+    def __post_init__(self) -> None:
+        self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
+
+    @classmethod
+    def from_options(cls, options: dict) -> "GenerateConfig":
+        """The config from the `generate` command's parameters, named as `Setting.name`."""
+        fields = {s.name: s.field for s in settings()}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise TypeError(f"GenerateConfig has no setting for {', '.join(unknown)}")
+        return cls(**{fields[name]: value for name, value in options.items()})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one `GenerateConfig` field appears outside the config."""
+
+    field: str  # the GenerateConfig attribute
+    name: str  # the `generate` parameter, and the key in the fingerprint and in the output metadata
+    label: str  # how messages name it: its flag, or a phrase
+    fingerprint: bool  # decides the rows' completions: a resumed run must have the same value
+    metadata: bool  # recorded in the output files' metadata
+    recent: bool = False  # newer than existing work directories: in the fingerprint only away from its default
+
+
+def settings() -> list[Setting]:
+    """Every `GenerateConfig` field, in declaration order."""
+    out = []
+    for f in dataclasses.fields(GenerateConfig):
+        name = f.metadata.get("name") or f.name
+        out.append(Setting(field=f.name, name=name, label=f.metadata.get("label") or "--" + name.replace("_", "-"),
+                           fingerprint=f.metadata.get("fingerprint", False),
+                           metadata=f.metadata.get("metadata", False), recent=f.metadata.get("recent", False)))
+    return out
+
+
+def settings_record(cfg: GenerateConfig, kind: str, **resolved) -> dict:
+    """The settings of one kind ("fingerprint" or "metadata") by name, as JSON values.
+
+    ``resolved`` replaces the configured value of those settings the job works out itself
+    (a model's signature for its spec, the mode actually run, the dtype loaded).
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateConfig)}
+    record = {s.name: resolved.pop(s.name) if s.name in resolved else _json_value(getattr(cfg, s.field))
+              for s in settings() if getattr(s, kind)
+              and not (kind == "fingerprint" and s.recent and getattr(cfg, s.field) == defaults[s.field])}
+    if resolved:
+        raise KeyError(f"not {kind} settings: {', '.join(sorted(resolved))}")
+    return record
+
+
+def _json_value(value):
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value) if isinstance(value, Path) else value
+
+
+# Fingerprint keys and how to name them to the user, in the order they are reported.
+FINGERPRINT_LABELS = {s.name: s.label for s in settings() if s.fingerprint} | {"rows": "the number of input rows"}
+
+
+def validate(cfg: GenerateConfig) -> None:
+    checks = [
+        (cfg.batch_size >= 1, f"--batch-size must be a positive integer, got {cfg.batch_size}"),
+        (cfg.max_new_tokens >= 1, f"--max-new-tokens must be a positive integer, got {cfg.max_new_tokens}"),
+        (cfg.max_prompt_tokens is None or cfg.max_prompt_tokens >= 1,
+         f"--max-prompt-tokens must be a positive integer, got {cfg.max_prompt_tokens}"),
+        (1 <= cfg.k <= 32, f"--draft-tokens must be between 1 and 32, got {cfg.k}"),
+        (cfg.window is None or cfg.window >= 1, f"--window must be a positive integer, got {cfg.window}"),
+        (cfg.limit is None or cfg.limit >= 1, f"--limit must be a positive integer, got {cfg.limit}"),
+        (cfg.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {cfg.mode!r}"),
+        (cfg.kernels in KERNELS, f"--kernels must be one of {', '.join(KERNELS)}, got {cfg.kernels!r}"),
+        (cfg.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
+        (cfg.input_format in sources.INPUT_FORMATS,
+         f"--input-format must be one of {', '.join(sources.INPUT_FORMATS)}, got {cfg.input_format!r}"),
+        (cfg.output_format in sources.OUTPUT_FORMATS,
+         f"--output-format must be one of {', '.join(sources.OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
+        (math.isfinite(cfg.temperature) and cfg.temperature >= 0,
+         f"--temperature must be a finite number >= 0, got {cfg.temperature}"),
+        (cfg.logprobs is None or 0 <= cfg.logprobs <= lp.MAX_TOP,
+         f"--logprobs must be between 0 and {lp.MAX_TOP}, got {cfg.logprobs}"),
+        (cfg.logprobs_mode in lp.MODES, f"--logprobs-mode must be one of {', '.join(lp.MODES)}, "
+                                        f"got {cfg.logprobs_mode!r}"),
+        (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
+        (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
+        (cfg.bucket_width is None or cfg.bucket_width >= 1, f"--bucket-width must be positive, got {cfg.bucket_width}"),
+        (cfg.threads is None or cfg.threads >= 1, f"--threads must be a positive integer, got {cfg.threads}"),
+        (cfg.checkpoint_rows >= 1, f"--checkpoint-rows must be a positive integer, got {cfg.checkpoint_rows}"),
+        (cfg.checkpoint_seconds > 0, f"--checkpoint-seconds must be positive, got {cfg.checkpoint_seconds}"),
+        (all(cfg.stop), "--stop strings must not be empty"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UsageError(message)
+
+
+def tokenizer_settings(cfg: GenerateConfig, target_name: str) -> dict:
+    """What determines the prompt token ids (the bucket directory's settings)."""
+    return {"target": target_name, "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
+            "id_column": cfg.id_column}
+
+
+def row_value(values: list | None, row: int, default):
+    """A per-row override's value for ``row`` (``row_overrides``), or ``default`` where it has none."""
+    if values is None or values[row] is None:
+        return default
+    return values[row]
+
+
+OVERRIDES = {  # name -> (config attribute naming the column, type, smallest value, flag)
+    "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
+    "seed": ("seed_column", int, None, "--seed-column"),
+    "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
+    "top_p": ("top_p_column", float, 0.0, "--top-p-column"),  # in (0, 1]: 0 itself is refused below
+    "logprobs": ("logprobs_column", int, 0, "--logprobs-column"),
+}
+LARGEST = {"logprobs": lp.MAX_TOP}  # overrides with an upper bound
+
+
+def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
+    """Per-row temperature / seed / max_new_tokens / top_p / stop strings from input columns; InputError on a bad
+    cell."""
+    out = {}
+    for name, (attr, kind, smallest, flag) in OVERRIDES.items():
+        column = getattr(cfg, attr)
+        if column is None:
+            continue
+        if column not in table.column_names:
+            raise bio.InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
+        values = []
+        for i, value in enumerate(table.column(column).to_pylist()):
+            if value is None or (isinstance(value, float) and value != value):
+                values.append(None)
+                continue
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if ok and kind is int:
+                ok = float(value).is_integer()
+            largest = LARGEST.get(name)
+            if not ok or (smallest is not None and value < smallest) or (largest is not None and value > largest) \
+                    or (name == "top_p" and not 0 < value <= 1):
+                bound = (" in (0, 1]" if name == "top_p" else
+                         f"{'' if smallest is None else f' >= {smallest:g}'}{'' if largest is None else f' and <= {largest:g}'}")
+                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
+                                     f"{'a number' if kind is float else 'an integer'}{bound}, got {value!r}")
+            values.append(kind(value))
+        out[name] = values
+    if cfg.stop_column is not None:
+        out["stop"] = stop_cells(table, cfg.stop_column, cfg.input)
+    return out
+
+
+def stop_cells(table, column: str, source) -> list[tuple[str, ...]]:
+    """Per-row stop strings from a column of strings or lists of strings (null: none of its own)."""
+    if column not in table.column_names:
+        raise bio.InputError(f"{source}: --stop-column names column {column!r}, which is not in the input")
+    out = []
+    for i, value in enumerate(table.column(column).to_pylist()):
+        stops = () if value is None else (value,) if isinstance(value, str) else value
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise bio.InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "
+                                 f"of them, got {value!r}")
+        out.append(tuple(stops))
+    return out
+

@@ -1,0 +1,375 @@
+"""One `generate` job: input -> tokenize -> buckets -> engine -> output files, resumable.
+
+``Generation.open(cfg)`` validates everything that can be validated before any work
+(flags, input file, output path, model paths, vocabularies), takes the output's lock and
+raises ``UsageError`` with a one-line message; what it decided is one ``plan.JobPlan`` (the
+input, the models, the buckets, the rows an interrupted run saved). ``events()`` then
+streams events (engine events plus ``Started``, ``BucketDone``, ``Interrupted``) while
+finished rows are saved to checkpoint parts; ``finish()`` writes the completions and
+statistics files atomically and removes the work directory; ``close()`` releases the lock
+(always call it, or use ``with``).
+
+Resuming (see ``checkpoint`` and ``plan``): a job is identified by a *fingerprint* of everything that
+decides its rows' completions (input bytes, models, mode, k, sampling, limits, prompt
+rendering). Rerunning the same command after a crash loads the saved parts, skips their
+rows and continues; a different fingerprint is refused (``--restart`` discards the old
+work). Batch size, window, bucket width, threads and device may change between the runs:
+a row's completion does not depend on them. ``stop()`` (from a signal handler) ends the
+run cleanly after the current step, with every finished row saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from buckets import BucketError, iter_bucket_rows
+
+from . import __version__
+from . import drafters
+from . import io as bio
+from . import logprobs as lp
+from . import models
+from . import openai_batch
+from .bucket_progress import BucketDone, BucketProgress
+from .checkpoint import CheckpointError, LockHeld, WorkDir
+from .config import GenerateConfig, UsageError, os_error_message, row_value, settings_record, validate
+from .engine import Engine, EngineConfig, ModelHandle, pool_window
+from .events import Request, RowResult, Sampling, StepStats
+from .plan import JobPlan, plan_job
+from .stops import StopStrings
+
+Executor = Callable[[Iterable[Request]], Iterator[object]]
+"""Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
+
+__all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "build_engine",
+           "metadata", "work_dir_for"]
+
+
+@dataclass
+class Started:
+    """First event: what will run."""
+
+    total_rows: int
+    mode: str
+    notes: list[str] = field(default_factory=list)
+    resumed_rows: int = 0  # rows already saved by an interrupted run of this job, not generated again
+    work_dir: str = ""
+
+
+@dataclass
+class Interrupted:
+    """Last event of a run ended by ``stop()`` before every row finished."""
+
+    saved_rows: int  # rows durably saved (this run's and earlier runs')
+    total_rows: int
+    signal: int | None
+
+
+def work_dir_for(out: Path) -> Path:
+    return out.parent / f".{out.name}.batchspec-work"
+
+
+class StepNumbering:
+    """The steps of several engine runs as one sequence, as the statistics file numbers them.
+
+    Every run numbers its own steps from the start; ``next_run()`` makes the following run's
+    steps continue after the highest step numbered so far: a resumed job's after the saved
+    ones (``last``), each Ray block's after the blocks that arrived before it.
+    """
+
+    def __init__(self, last: int = 0):
+        self.last = last  # the highest step numbered so far
+        self.base = last  # added to the current run's steps
+
+    def next_run(self) -> None:
+        self.base = self.last
+
+    def __call__(self, stats: StepStats) -> StepStats:
+        stats = dataclasses.replace(stats, step=stats.step + self.base)
+        self.last = max(self.last, stats.step)
+        return stats
+
+
+def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
+    """What the output files record of the job (their Parquet schema metadata)."""
+    model = plan.target.model
+    return {
+        "batchspec_version": __version__, "torch_version": torch.__version__,
+        "transformers_version": _transformers_version(),
+        **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft.name if plan.draft else None,
+                          mode=plan.mode, window=pool_window(cfg.batch_size, cfg.window),
+                          dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
+        "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
+        "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),
+        "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
+        **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
+    }
+
+
+class _Unsaved:
+    """Finished rows and steps not yet in a checkpoint part; a part is due after ``checkpoint_rows``
+    rows or ``checkpoint_seconds`` since the previous one."""
+
+    def __init__(self, work: WorkDir, rows: int, seconds: float):
+        self.work, self.most_rows, self.seconds = work, rows, seconds
+        self.rows: list[RowResult] = []
+        self.stats: list[StepStats] = []
+        self.last_save = time.monotonic()
+
+    def save_if_due(self) -> None:
+        if len(self.rows) >= self.most_rows or time.monotonic() - self.last_save >= self.seconds:
+            self.save()
+
+    def save(self) -> None:
+        """Write the rows and statistics not yet saved as one checkpoint part."""
+        if self.rows or self.stats:
+            self.work.save_part(self.rows, self.stats)
+            self.rows, self.stats = [], []
+        self.last_save = time.monotonic()
+
+
+class Generation:
+    """A job being run: its ``plan`` (fixed at ``open``) and what the run adds to it — the finished rows
+    and steps (``_record``), the checkpoint parts not yet written (``_Unsaved``), the buckets done
+    (``BucketProgress``). A row reaches disk in a checkpoint part, then in ``finish``'s files."""
+
+    def __init__(self, cfg: GenerateConfig, work: WorkDir, plan: JobPlan, threads_before: int | None = None):
+        self.cfg, self.work, self.plan = cfg, work, plan
+        self.results: dict[int, RowResult] = {r.row: r for r in plan.resumed + plan.announce}
+        self.stats: list[StepStats] = list(plan.resumed_stats)
+        self.preloads: list[tuple[list[int], list[int] | None]] = []  # saved rows (prompt, completion) drafters relearn
+        self.lookups: list = []  # this process's model-free drafters (see engine())
+        self.interrupted = False
+        self._stop_signal: int | None = None
+        self._stop_requested = False
+        self._unsaved = _Unsaved(work, cfg.checkpoint_rows, cfg.checkpoint_seconds)
+        self._steps = StepNumbering(last=max((s.step for s in self.stats), default=0))
+        self._progress = BucketProgress()
+        self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
+        self._threads_before = threads_before  # the process's thread count before --threads (restored by close)
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def open(cls, cfg: GenerateConfig) -> "Generation":
+        validate(cfg)
+        work = WorkDir(work_dir_for(cfg.output))
+        threads_before = None
+        if cfg.threads:  # for this job: close() restores the process's thread count
+            threads_before = torch.get_num_threads()
+            torch.set_num_threads(cfg.threads)
+        try:
+            try:
+                plan = plan_job(cfg, work)
+            except LockHeld as exc:
+                raise UsageError(f"{cfg.output} is being written by another batchspec run"
+                                 f"{f' (pid {exc.pid})' if exc.pid else ''}; wait for it to finish, or remove "
+                                 f"{work.lock_path} if it is not running") from None
+            except (bio.InputError, models.ModelError, BucketError, CheckpointError) as exc:
+                raise UsageError(str(exc)) from None
+            except OSError as exc:  # a full disk while writing the lock, the buckets or the first part
+                raise UsageError(os_error_message(exc)) from None
+        except BaseException:
+            _release(work, threads_before)
+            raise
+        return cls(cfg, work, plan, threads_before)
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the lock; a work directory with nothing resumable in it is removed; --threads is undone."""
+        _release(self.work, self._threads_before)
+        self._threads_before = None
+
+    @property
+    def total_rows(self) -> int:
+        return self.plan.total_rows
+
+    @property
+    def saved_rows(self) -> int:
+        return len(self.results) - len(self._unsaved.rows)
+
+    # ------------------------------------------------------------------ running
+    def requests(self) -> Iterator[Request]:
+        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
+        cfg, plan = self.cfg, self.plan
+        temperature, seed, max_new, top_p, stops, logprobs = (
+            plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
+        skip = set(self.results)
+        current = None
+        for bucket, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
+            if bucket.index != current:
+                if current is not None:
+                    self._progress.seal(current)
+                current = bucket.index
+            rows = batch.column("__row").to_pylist()
+            ids = batch.column("__prompt_ids").to_pylist()
+            for row, prompt in zip(rows, ids):
+                if row >= plan.total_rows:  # a bucket directory's row beyond --limit
+                    continue
+                if row in skip:  # saved by an interrupted run: what it taught the drafters is taught again
+                    done = self.results[row]
+                    self.preloads.append((prompt, done.token_ids if done.finish_reason != "error" else None))
+                    for drafter in self.lookups:  # this process's engine (a Ray worker's: WorkerSpec.preload)
+                        drafter.preload(*self.preloads[-1])
+                    continue
+                self._progress.handed_out(row, bucket.index)
+                if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
+                    self._prompt_errors.append(RowResult(
+                        row, plan.inp.ids[row], [], "error", prompt_tokens=len(prompt),
+                        error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
+                    continue
+                sampling = Sampling(temperature=row_value(temperature, row, cfg.temperature), top_k=cfg.top_k,
+                                    top_p=row_value(top_p, row, cfg.top_p), seed=row_value(seed, row, cfg.seed))
+                yield Request(row=row, id=plan.inp.ids[row], prompt_ids=prompt,
+                              max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
+                              bucket=bucket.index, pad_to=bucket.hi, logprobs=row_value(logprobs, row, cfg.logprobs),
+                              stop=row_value(stops, row, ()))
+        if current is not None:
+            self._progress.seal(current)
+
+    def engine(self) -> Engine:
+        plan = self.plan
+        engine = build_engine(self.cfg, plan.mode, plan.target, plan.draft, plan.eos_ids, list(plan.lookup_names))
+        self.lookups = engine.lookups
+        return engine
+
+    def stop(self, signal: int | None = None) -> None:
+        """Ask the run to end after the current step (safe to call from a signal handler)."""
+        self._stop_signal = signal
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+    def events(self, run: Executor | None = None) -> Iterator[Started | RowResult | StepStats | BucketDone | Interrupted]:
+        """The job's events. ``run`` turns the requests into engine events (default: this process's
+        engine; ``distributed.RayExecutor.run`` spreads them over workers). Events of other types
+        that it yields (a worker's progress) are passed through unrecorded."""
+        plan = self.plan
+        yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=list(plan.notes),
+                      resumed_rows=plan.resumed_rows, work_dir=str(self.work.path))
+        yield from plan.announce  # prompt errors: already recorded and saved
+        stream = (run or self.engine().run)(self.requests())
+        try:
+            for event in stream:
+                if isinstance(event, StepStats):
+                    event = self._steps(event)
+                if isinstance(event, (RowResult, StepStats)):
+                    self._record(event)
+                yield event
+                yield from self._drain()
+                self._unsaved.save_if_due()
+                if self._stop_requested:
+                    break
+            else:
+                yield from self._drain()
+        finally:
+            stream.close()
+            self._unsaved.save()  # a clean stop, a finished run or an exception: keep every finished row
+        if self._stop_requested and len(self.results) < plan.total_rows:
+            self.interrupted = True
+            yield Interrupted(saved_rows=self.saved_rows, total_rows=plan.total_rows, signal=self._stop_signal)
+
+    def _record(self, event: RowResult | StepStats) -> None:
+        if isinstance(event, RowResult):
+            if event.row in self.results:
+                raise RuntimeError(f"row {event.row} finished twice")
+            self.results[event.row] = event
+            self._unsaved.rows.append(event)
+            self._progress.finished(event.row, error=event.finish_reason == "error")
+        else:
+            self.stats.append(event)
+            self._unsaved.stats.append(event)
+
+    def _drain(self) -> Iterator[RowResult | BucketDone]:
+        """Error rows found while feeding the engine, then buckets that just completed."""
+        while self._prompt_errors:
+            result = self._prompt_errors.pop(0)
+            self._record(result)
+            yield result
+        yield from self._progress.completed()
+
+    # ------------------------------------------------------------------ output
+    def texts(self, results: list[RowResult]) -> list[str]:
+        out = []
+        for r in results:
+            text = self.plan.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            if r.finish_reason == "stop_string":
+                stops = self.cfg.stop + row_value(self.plan.overrides.get("stop"), r.row, ())
+                text = text[: min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
+            out.append(text)
+        return out
+
+    def finish(self) -> dict:
+        """Write both files atomically, remove the work directory; returns a summary."""
+        cfg, plan = self.cfg, self.plan
+        self._unsaved.save()
+        results = [self.results[row] for row in sorted(self.results)]
+        missing = plan.total_rows - len(results)
+        if missing:
+            raise RuntimeError(f"{missing} rows have no result")
+        meta = metadata(cfg, plan)
+        self.work.mark_finishing()
+        token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
+        if plan.output_format == "openai":
+            openai_batch.write_output(cfg.output, plan.inp, results, self.texts(results), plan.tokenizer,
+                                      model=plan.target_name, chat=cfg.chat, salt=plan.input_hash)
+        else:
+            bio.write_completions(cfg.output, plan.inp, results, self.texts(results), meta, token_text)
+        bio.write_stats(plan.stats_path, self.stats, meta)
+        self.work.remove()
+        errors = [r for r in results if r.finish_reason == "error"]
+        return {
+            "rows": len(results), "errors": len(errors), "resumed_rows": plan.resumed_rows,
+            "generated_rows": len(results) - plan.resumed_rows,
+            "completion_tokens": sum(len(r.token_ids) for r in results), "output": str(cfg.output),
+            "stats": str(plan.stats_path),
+            "first_errors": [(r.row, r.id, r.error) for r in errors[:3]],
+        }
+
+
+def _release(work: WorkDir, threads_before: int | None) -> None:
+    """Undo what opening a job did: --threads, the lock, and a work directory with nothing resumable in it."""
+    if threads_before is not None:
+        torch.set_num_threads(threads_before)
+    if not work.locked:
+        return
+    try:
+        if not os.path.lexists(work.job_path):
+            work.remove()
+    except (CheckpointError, OSError):
+        pass  # a work directory that cannot be cleaned is left as it is (the error is reported already)
+    work.unlock()
+
+
+def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: models.LoadedModel | None,
+                 eos_ids: list[int], lookup_names: list[str]) -> Engine:
+    """The engine of one job for a set of loaded models: the one place an ``Engine`` is built
+    (a single-process run and every distributed worker go through it)."""
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
+                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
+    target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
+    draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
+    checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
+    return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
+                  lookups=drafters.make(lookup_names))
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

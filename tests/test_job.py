@@ -1,0 +1,53 @@
+"""job.py: StepNumbering (the steps of several engine runs as one sequence: resume, Ray blocks) and
+what opening a job undoes when it is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchspec_cli.checkpoint import WorkDir
+from batchspec_cli.config import GenerateConfig, UsageError
+from batchspec_cli.events import StepStats
+from batchspec_cli.job import Generation, StepNumbering, work_dir_for
+
+
+def steps(*numbers: int) -> list[StepStats]:
+    return [StepStats(bucket=0, step=n, group_kind="ar", batch_size=1, k=0, accepted=[0], tokens_emitted=1,
+                      pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0, verify_ms=1.0,
+                      realign_ms=0.0, gather_ms=0.0, total_ms=1.0) for n in numbers]
+
+
+def test_a_resumed_run_continues_after_the_saved_steps():
+    numbering = StepNumbering(last=7)  # the interrupted run saved steps 1..7
+    assert [numbering(s).step for s in steps(1, 2, 3)] == [8, 9, 10]
+
+
+def test_runs_follow_each_other_in_arrival_order():
+    numbering = StepNumbering()
+    first = [numbering(s).step for s in steps(1, 2, 3)]
+    numbering.next_run()
+    second = [numbering(s).step for s in steps(1, 2)]
+    numbering.next_run()
+    third = [numbering(s).step for s in steps(1)]
+    assert first + second + third == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_engine_event_is_not_changed():
+    event = steps(2)[0]
+    assert StepNumbering(last=5)(event).step == 7 and event.step == 2
+
+
+def test_a_job_refused_for_a_held_lock_leaves_the_thread_count_as_it_was(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    inp.write_text('{"prompt": "hello"}\n')
+    holder = WorkDir(work_dir_for(out))
+    holder.lock()  # this process holds the output: another run of it is refused
+    before = torch.get_num_threads()
+    try:
+        with pytest.raises(UsageError, match="being written by another batchspec run"):
+            Generation.open(GenerateConfig(input=inp, output=out, threads=before + 1))
+        assert torch.get_num_threads() == before
+    finally:
+        holder.unlock()
+        torch.set_num_threads(before)

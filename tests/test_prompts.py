@@ -1,0 +1,60 @@
+"""prompts.render_prompts: the one rendering loop of `generate` and `batchspec bucket`."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+from typer.testing import CliRunner
+
+from batchspec_cli import io as bio
+from batchspec_cli.cli import app
+from batchspec_cli.prompts import render_prompts
+from conftest import make_tokenizer, save_tiny_model_dir
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+                   "{{ raise_exception('tool messages are not supported') }}{% endif %}"
+                   "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>")
+
+
+def strict_tokenizer():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = STRICT_TEMPLATE
+    return tokenizer
+
+
+def an_input(prompts: list, errors: dict[int, str] | None = None) -> bio.InputTable:
+    ids = [str(i) for i in range(len(prompts))]
+    return bio.InputTable(path=None, table=pa.table({"id": ids}), prompts=prompts, ids=ids, errors=errors or {})
+
+
+def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
+    tokenizer = strict_tokenizer()
+    too_long = bio.max_prompt_bytes(tokenizer, 50) + 1  # bytes no 50 tokens can hold
+    prompts = ["hello", [{"role": "tool", "content": "x"}], "x" * too_long, "refused", "bye"]
+    rendered = render_prompts(an_input(prompts, {3: "refused by the batch file"}), tokenizer, True, "sys",
+                              most_tokens=50, what="--max-prompt-tokens 50")
+    assert [row for row, ids in enumerate(rendered.ids) if ids] == [0, 4]
+    for row in (0, 4):
+        assert rendered.ids[row] == bio.render_prompt(tokenizer, prompts[row], True, "sys")
+    assert sorted(rendered.errors) == [1, 2, 3]
+    assert rendered.errors[1] == "cannot render the prompt: tool messages are not supported"
+    assert rendered.errors[2].startswith(f"prompt has {too_long} bytes, more than --max-prompt-tokens 50 can hold")
+    assert rendered.errors[3] == "refused by the batch file"
+
+
+def test_without_a_limit_no_prompt_is_refused_for_its_size():
+    rendered = render_prompts(an_input(["x" * 500]), strict_tokenizer(), False, None)
+    assert rendered.errors == {} and len(rendered.ids[0]) >= 500
+
+
+def test_bucket_refuses_an_input_whose_template_raises_naming_the_row(tmp_path):
+    target = save_tiny_model_dir(tmp_path / "strict", seed=0)
+    strict_tokenizer().save_pretrained(target)
+    inp = tmp_path / "in.jsonl"
+    lines = [{"prompt": "hello"}, {"prompt": [{"role": "tool", "content": "x"}]}]
+    inp.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = CliRunner().invoke(app, ["bucket", str(inp), str(tmp_path / "buckets"), "--target", str(target)])
+    assert result.exit_code != 0 and not (tmp_path / "buckets").exists()
+    message = " ".join(result.output.split())
+    assert "row 2: cannot render the prompt: tool messages are not supported" in message, result.output
