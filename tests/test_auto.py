@@ -288,7 +288,8 @@ def test_sampled_rows_identical_across_modes_drafts_and_schedules(target, draft,
 
 
 class ScheduledArms(Arms):
-    """An injected arm schedule: a random arm for a random 1-4 rounds at a time (each stretch a 'window')."""
+    """An injected arm schedule: a random arm for a random 1-4 rounds at a time (each stretch a 'window'), and a
+    random incumbent (SPEC trials on the batch in flight, SPEC as the incumbent on the whole pool)."""
 
     def __init__(self, seed: int):
         super().__init__()
@@ -299,6 +300,7 @@ class ScheduledArms(Arms):
         if self.left > 0:
             return None
         self.arm, self.left = self.rng.choice([PLAIN, SPEC]), self.rng.randint(1, 4)
+        self.incumbent = self.rng.choice([PLAIN, SPEC])
         return tokens / seconds
 
 
