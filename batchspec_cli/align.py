@@ -78,7 +78,7 @@ def selection(slots: list[int], device: torch.device) -> Selection:
 class SlotCache:
     """KV cache with one row per slot: per layer ``[rows, kv_heads, capacity, head_dim]``.
 
-    ``bind(sel, length)`` chooses the group and the column where the next forward writes;
+    ``bind(rows_index, length)`` chooses the group and the column where the next forward writes;
     ``update`` (called by the model's attention layers) writes the new entries there and
     returns the group's keys/values up to the end of the new entries. With a slice
     selection that is a view; with an index selection it is a gather, counted in ``gathered``
@@ -102,15 +102,15 @@ class SlotCache:
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.live: list[int] | None = None  # the slots whose entries a growth keeps (set by the pool)
-        self.sel: Selection = slice(0, 0)
+        self.rows_index: Selection = slice(0, 0)
         self.length = 0
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
         self.gather_s = 0.0
         self.copied_rows = 0  # slot rows copied by growths (per layer and tensor counted once)
 
     # -- the interface the model's attention layers call ------------------------------
-    def bind(self, sel: Selection, length: int) -> None:
-        self.sel, self.length = sel, length
+    def bind(self, rows_index: Selection, length: int) -> None:
+        self.rows_index, self.length = rows_index, length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states, value_states: [group, kv_heads, n_new, head_dim]
@@ -121,12 +121,12 @@ class SlotCache:
         if stop > self.capacity:
             self.grow(stop)
         keys, values = self.keys[layer_idx], self.values[layer_idx]
-        keys[self.sel, :, self.length : stop] = key_states
-        values[self.sel, :, self.length : stop] = value_states
-        if isinstance(self.sel, slice):
-            return keys[self.sel, :, :stop], values[self.sel, :, :stop]
+        keys[self.rows_index, :, self.length : stop] = key_states
+        values[self.rows_index, :, self.length : stop] = value_states
+        if isinstance(self.rows_index, slice):
+            return keys[self.rows_index, :, :stop], values[self.rows_index, :, :stop]
         started = time.perf_counter()
-        out = keys[self.sel, :, :stop], values[self.sel, :, :stop]
+        out = keys[self.rows_index, :, :stop], values[self.rows_index, :, :stop]
         self.gather_s += time.perf_counter() - started
         self.gathered += key_states.shape[0] * stop
         return out
@@ -238,7 +238,7 @@ def attention_inputs(pad: torch.Tensor, start: int, n_new: int, dtype: torch.dty
     return mask[:, None], positions
 
 
-def group_forward(model, cache: SlotCache, cache_kwarg: str, sel: Selection, input_ids: torch.Tensor,
+def group_forward(model, cache: SlotCache, cache_kwarg: str, rows_index: Selection, input_ids: torch.Tensor,
                   pad: torch.Tensor, start: int, logits_to_keep: int = 0) -> torch.Tensor:
     """One forward of a group over new tokens at columns ``start..``; returns logits.
 
@@ -246,7 +246,7 @@ def group_forward(model, cache: SlotCache, cache_kwarg: str, sel: Selection, inp
     """
     dtype = next(model.parameters()).dtype
     mask, positions = attention_inputs(pad, start, input_ids.shape[1], dtype)
-    cache.bind(sel, start)
+    cache.bind(rows_index, start)
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                 use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
     return out.logits

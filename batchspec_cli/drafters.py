@@ -42,7 +42,7 @@ class Rows:
     """The group a drafter proposes for. The model-free drafters read ``ids`` alone."""
 
     ids: list[int]  # [G] row ids
-    sel: Selection | None = None  # the group's slots (the draft model's cache rows)
+    index: Selection | None = None  # the group's slots (the draft model's cache rows)
     tokens: torch.Tensor | None = None  # [G, T] the group's committed tokens, left-padded
     pad: torch.Tensor | None = None  # [G] left padding
     reach: int = 0  # the draft cache covers columns [0, reach) of every row of the group
@@ -100,9 +100,9 @@ class ModelDrafter:
         """Nothing to rebuild: the draft model learns nothing from finished rows."""
 
     @torch.no_grad()
-    def prefill(self, sel: Selection, tokens: torch.Tensor, pad: torch.Tensor) -> None:
-        """Fill the cache rows ``sel`` with ``tokens`` [G, n] from column 0."""
-        group_forward(self.model, self.cache, self.cache_kwarg, sel, tokens, pad, 0, logits_to_keep=1)
+    def prefill(self, rows_index: Selection, tokens: torch.Tensor, pad: torch.Tensor) -> None:
+        """Fill the cache rows ``rows_index`` with ``tokens`` [G, n] from column 0."""
+        group_forward(self.model, self.cache, self.cache_kwarg, rows_index, tokens, pad, 0, logits_to_keep=1)
 
     @torch.no_grad()
     def propose(self, rows: Rows, k: int) -> Proposal:
@@ -112,7 +112,7 @@ class ModelDrafter:
         inputs, fed = rows.tokens[:, start:end], end - start
         drafts = []
         for j in range(k):
-            logits = group_forward(self.model, self.cache, self.cache_kwarg, rows.sel, inputs, rows.pad, start,
+            logits = group_forward(self.model, self.cache, self.cache_kwarg, rows.index, inputs, rows.pad, start,
                                    logits_to_keep=1)[:, -1:]
             token = rows.pick(self.to_target_vocab(logits), j)[:, 0]
             drafts.append(token)
