@@ -21,7 +21,8 @@ clock from one round's end to the next's. A window's rate is the median over
 in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
 in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
-loses again.
+loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
+once half its window has run) ends there, so a losing trial costs half a window.
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -74,6 +75,8 @@ WINDOW_SECONDS = 2.0  # ... and lasts at least this long (wall clock)
 SUB_WINDOWS = 5  # a window's rate: the median of this many consecutive slices (one stall cannot decide)
 MARGIN = 1.03  # a challenger takes over when two windows in a row beat the incumbent's last one by this
 FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses
+CUT_AT = 0.5  # a challenger's window that has this share of its rounds and seconds ...
+CUT_BELOW = 0.8  # ... and measures under this share of the incumbent's rate ends there: a clear loss
 TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
 
 
@@ -283,8 +286,8 @@ class Window:
     tokens: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
-    def full(self) -> bool:
-        return len(self.tokens) >= WINDOW_ROUNDS and sum(self.seconds) >= WINDOW_SECONDS
+    def full(self, share: float = 1.0) -> bool:
+        return len(self.tokens) >= share * WINDOW_ROUNDS and sum(self.seconds) >= share * WINDOW_SECONDS
 
     def rate(self) -> float:
         """Committed tokens per second: the median over ``SUB_WINDOWS`` consecutive slices of the rounds."""
@@ -299,7 +302,8 @@ class Arms:
 
     The *incumbent* runs until its wait is over; then the other arm (the *challenger*) runs a
     trial: one window, and a second one when the first beat the incumbent's adjacent window
-    by ``MARGIN``. Two such wins in a row and the challenger takes over (one lucky window,
+    by ``MARGIN``. A challenger's window ends at half its length (``CUT_AT``) when it measures
+    under ``CUT_BELOW`` of the incumbent's rate so far (the same median of slices). Two such wins in a row and the challenger takes over (one lucky window,
     or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
     twice as long as last time before the next trial.
     """
@@ -318,9 +322,13 @@ class Arms:
         """One round of the running arm; returns the window's rate when this round closes it."""
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
-        if not self.window.full():
+        if self.window.full():
+            rate = self.window.rate()
+        elif self.arm != self.incumbent and self.window.full(CUT_AT) and \
+                self.window.rate() < CUT_BELOW * self.baseline:  # a trial clearly lost: no need to finish it
+            rate = self.window.rate()
+        else:
             return None
-        rate = self.window.rate()
         self.windows.append((self.arm, rate))
         self._decide(rate)
         self.window = Window(self.arm)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from batchspec_cli.control import (FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto,
+from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto,
                                    Group, Offer, Window)
 
 ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
@@ -61,6 +63,28 @@ def test_one_10x_stall_in_a_window_does_not_flip_the_choice(rates):
     calm = drive(rates, 30)
     for stall in (3, WINDOW_ROUNDS + 4, 2 * WINDOW_ROUNDS + 5, 7 * WINDOW_ROUNDS + 1):  # in plain and spec windows
         assert drive(rates, 30, stall=stall) == calm, stall
+
+
+def rounds_per_trial(rates: dict[str, float], windows: int, stall: int | None = None) -> list[int]:
+    """The rounds every SPEC trial ran, PLAIN the incumbent throughout."""
+    arms, counts, previous = Arms(), [], PLAIN
+    for n in itertools.count():
+        if len(arms.windows) >= windows:
+            return counts
+        if arms.arm == SPEC:
+            if previous == PLAIN:  # a trial starts
+                counts.append(0)
+            counts[-1] += 1
+        previous = arms.arm
+        arms.record(rates[arms.arm] * ROUND_S, ROUND_S * (10 if n == stall else 1))
+
+
+def test_a_trial_clearly_behind_ends_at_half_a_window():
+    half = max(round(CUT_AT * WINDOW_ROUNDS), 1)
+    assert rounds_per_trial({PLAIN: 100.0, SPEC: 50.0}, 20) == [half] * 3  # and re-tested as before
+    assert rounds_per_trial({PLAIN: 100.0, SPEC: 100.0 * CUT_BELOW + 5}, 20)[0] == WINDOW_ROUNDS  # behind, not clearly
+    # one 10x stall in the trial's first rounds does not cut a trial that would win
+    assert rounds_per_trial({PLAIN: 100.0, SPEC: 120.0}, 4, stall=WINDOW_ROUNDS + 1)[0] > WINDOW_ROUNDS
 
 
 def test_one_lucky_challenger_window_is_not_a_switch():
