@@ -3,6 +3,7 @@ controller's numbers, and bench.main() end to end on tiny models (auto, hf, mode
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -157,3 +158,16 @@ def test_the_pool0_row_is_the_pooled_engine_with_speculation_off(tmp_path, monke
     pool0 = rows["pool0"]
     assert pool0["drafted"] == 0 and pool0["drafters"] == {"-": pool0["drafters"]["-"]}  # every round k = 0
     assert "ratio_vs_ar" in pool0 and pool0["tokens"] == rows["ar"]["tokens"]
+
+
+def test_auto_phases_sums_each_arm_and_phase_apart():
+    import auto_phases
+
+    stats = [step("prefill", 4, [], 0, 500.0, k=0),
+             step("same_length", 4, [0] * 4, 4, 100.0, k=0, arm="plain"),
+             dataclasses.replace(step("realigned", 4, [1] * 4, 8, 300.0, k=2, arm="spec"), realign_ms=20.0),
+             step("same_length", 4, [0] * 4, 4, 120.0, k=0, arm="spec")]
+    table = auto_phases.phases(stats)
+    assert table["prefill"] == [0.5, 1, 0]
+    assert table["plain k=0"] == [0.1, 1, 4] and table["spec k=0"] == [0.12, 1, 4]
+    assert table["spec k>0"] == [0.3, 1, 8] and table["realign (spec)"] == [0.02, 1, 0]

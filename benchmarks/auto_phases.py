@@ -1,0 +1,92 @@
+"""Where a job's time goes, per engine phase and auto arm: ar and auto side by side in one process.
+
+    python benchmarks/auto_phases.py --prompts 16 --batch-size 8 --max-new-tokens 64 --threads 1
+
+Runs the given engines forward then backward (palindrome) over the same Spec-Bench prompts
+and, for each run, sums its step statistics: prefill, rounds per arm and per k = 0 / k > 0
+(seconds / rounds / tokens), realignment per arm, gathers and draft time. The rows are the
+wall time of the whole run; what the steps do not cover is printed as "outside".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import auto_arms  # noqa: E402
+import bench  # noqa: E402
+from batchspec_cli import models  # noqa: E402
+from batchspec_cli.align import use_folded_sdpa  # noqa: E402
+from batchspec_cli.engine import ModelHandle  # noqa: E402
+from batchspec_cli.io import render_prompt  # noqa: E402
+
+
+def phases(stats) -> dict[str, list]:
+    """name -> [seconds, rounds, tokens] summed over a run's steps."""
+    out = collections.defaultdict(lambda: [0.0, 0, 0])
+
+    def add(name: str, seconds: float, tokens: int = 0) -> None:
+        out[name][0] += seconds
+        out[name][1] += 1
+        out[name][2] += tokens
+
+    for s in stats:
+        if s.group_kind == "prefill":
+            add("prefill", s.total_ms / 1e3)
+            continue
+        add(f"{s.arm or 'ar'} k{'>0' if s.k else '=0'}", s.total_ms / 1e3, s.tokens_emitted)
+        if s.realign_ms:
+            add(f"realign ({s.arm or 'ar'})", s.realign_ms / 1e3)
+        if s.gather_ms:
+            add("gather", s.gather_ms / 1e3)
+        if s.k and s.draft_ms:
+            add("draft", s.draft_ms / 1e3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--runs", nargs="+", default=["ar", "auto"], help="ar, auto, auto-plain, auto-spec")
+    parser.add_argument("-k", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tgt = models.load_model(None, "auto", "auto", quiet=True)
+    drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
+    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
+    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
+    for handle in (target, draft):
+        use_folded_sdpa(handle.model)
+    eos = models.eos_ids(tgt.model, tgt.tokenizer)
+    prompts = [render_prompt(tgt.tokenizer, p, True, None)
+               for p in bench.spec_bench_prompts(bench.SPEC_BENCH, args.prompts)]
+    reqs = bench.requests(prompts, args.max_new_tokens)
+    print("prompt tokens:", sorted(len(r.prompt_ids) for r in reqs), flush=True)
+    warm = [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]]
+    for name in args.runs:
+        auto_arms.run(target, draft, eos, warm, name, 2, args.k)
+    first = None
+    for name in args.runs + args.runs[::-1]:
+        seconds, results, stats = auto_arms.run(target, draft, eos, reqs, name, args.batch_size, args.k)
+        if first is not None and results != first:
+            sys.exit(f"{name} differs from {args.runs[0]}")
+        first = first or results
+        table = phases(stats)
+        inside = sum(v[0] for k, v in table.items() if k == "prefill" or " k" in k)
+        cells = " ".join(f"{k} {v[0]:.1f}s/{v[1]}r/{v[2]}t" for k, v in sorted(table.items()))
+        print(f"{name:10} {seconds:6.1f} s (outside steps {seconds - inside:4.1f} s) | {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
