@@ -235,7 +235,7 @@ def _actor_pids() -> set[int]:
 
 def test_a_worker_killed_mid_job_loses_and_doubles_no_row(ray_cluster, tmp_path):
     """SIGKILL one actor after it finished a block, while blocks are queued: Ray restarts it and
-    runs its blocks again; the output equals the single-process run, every row once."""
+    runs its block in flight again; the output equals the single-process run, every row once."""
     root = tmp_path
     target = save_tiny_model_dir(root / "slow", seed=4, layers=4, hidden=128)  # slower steps: time to kill
     rng = random.Random(1)
@@ -277,7 +277,8 @@ def test_a_worker_killed_mid_job_loses_and_doubles_no_row(ray_cluster, tmp_path)
     blocks = [e for e in events if e["event"] == "block_done"]
     assert sum(e["rows"] for e in blocks) == 24 and len({e["block"] for e in blocks}) == len(blocks)
     workers = [e["worker"] for e in blocks]
-    assert len(set(workers)) == 3, workers  # the two first actors, then the killed one restarted, rerunning its blocks
+    # the killed actor's block in flight ran again, on its restarted actor or the other one (Ray's choice)
+    assert len(set(workers)) >= 2 and f"{workers[0].rsplit(':', 1)[0]}:{killed['pid']}" in workers, workers
     assert events[-1]["event"] == "finish" and events[-1]["generated_rows"] == 24
 
 

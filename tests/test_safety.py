@@ -455,8 +455,11 @@ def test_ctrl_c_while_starting_is_the_interrupt_exit_code_without_a_traceback(tm
     inp, out = job_dir
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for delay in (0.3, 2.0):
+        # as from a terminal: SIGINT at its default (a shell's background job, such as a CI run under `&`,
+        # inherits it ignored, and Python then installs no KeyboardInterrupt for it)
         proc = subprocess.Popen([sys.executable, "-m", "batchspec_cli", "generate", str(inp), str(out),
-                                 *flags(model)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                 *flags(model)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
