@@ -302,10 +302,11 @@ class Arms:
 
     The *incumbent* runs until its wait is over; then the other arm (the *challenger*) runs a
     trial: one window, and a second one when the first beat the incumbent's adjacent window
-    by ``MARGIN``. A challenger's window ends at half its length (``CUT_AT``) when it measures
-    under ``CUT_BELOW`` of the incumbent's rate so far (the same median of slices). Two such wins in a row and the challenger takes over (one lucky window,
+    by ``MARGIN``. Two such wins in a row and the challenger takes over (one lucky window,
     or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
-    twice as long as last time before the next trial.
+    twice as long as last time before the next trial. A challenger's window ends at half its
+    length (``CUT_AT``) when it measures under ``CUT_BELOW`` of the incumbent's rate so far
+    (the same median of slices): a clear loss.
     """
 
     def __init__(self):
