@@ -50,7 +50,8 @@ is (a long catch-up is never an option's first measurement). The lag a group has
 charged at the calibrated cost per column, spread over the rounds the rows have left, or,
 while SPEC is only on trial, over the trial's ``TRIAL_ROUNDS`` when that is shorter (a trial
 that loses leaves the draft behind again). While SPEC is on trial the pool holds the batch
-in flight (``wants_pool``): a losing trial has not paid for admitting a second batch.
+in flight (``wants_pool``) and admits rows without a draft prefill (``wants_draft``): a
+losing trial has not paid for admitting a second batch, nor for drafts it never ran.
 """
 
 from __future__ import annotations
@@ -536,7 +537,9 @@ class Auto:
         self.spec.seed(calibration)
 
     def wants_draft(self) -> bool:
-        return self.arms.arm == SPEC and self.spec.wants_draft()
+        """Draft prefills at admission once SPEC has won; during a trial the draft catches up only if SPEC
+        picks it, charged to the trial (``Goodput.horizon``)."""
+        return self.arms.arm == SPEC and self.arms.incumbent == SPEC and self.spec.wants_draft()
 
     def wants_pool(self) -> bool:
         """The whole pool once SPEC has won; a SPEC trial runs on the batch in flight, so a trial that loses

@@ -75,6 +75,11 @@ def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
         policy.observe(report(8, choice.source, choice.k, 0.2))
     assert ks == [1, 2, 3, 4, 5, 5, 5] and choice.source == "model" and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
+    auto = Auto(5)  # the same SPEC inside auto: draft prefills at admission only once SPEC has won
+    auto.spec, auto.arms.arm = policy, SPEC
+    assert not auto.wants_draft()  # on trial: the draft catches up only if the trial picks it
+    auto.arms.incumbent = SPEC
+    assert auto.wants_draft()
 
 
 def test_policy_follows_each_row_and_the_drafts_it_has():
