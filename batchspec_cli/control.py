@@ -47,7 +47,8 @@ round feeds the missing columns in its first forward; once an option has a real
 measurement, the rounds' measured times include their catch-up, so while the policy keeps
 leaving the draft behind the catch-up shows in the option's cost as the recurring cost it
 is (a long catch-up is never an option's first measurement). The lag a group has now is
-charged at the calibrated cost per column, spread over the rounds the rows have left, or,
+charged at the cost per column the last real catch-up measured (calibrated until one ran;
+the calibration's short forwards under-price a long feed), spread over the rounds the rows have left, or,
 while SPEC is only on trial, over the trial's ``TRIAL_ROUNDS`` when that is shorter (a trial
 that loses leaves the draft behind again). While SPEC is on trial the pool holds the batch
 in flight (``wants_pool``) and admits rows without a draft prefill (``wants_draft``): a
@@ -420,6 +421,8 @@ class Goodput(FixedK):
         super().__init__(max_k)
         self.rounds = Timings()  # (option, context, G) -> s of a whole round; ("", 0) is a plain step
         self.feed_per_column = 0.0  # s per column a lagging draft is fed (per row of the group: x G)
+        self.feed_measured = False  # whether a real catch-up has replaced the calibrated seed of it
+        self.draft_step = 0.0  # s of one draft step of the calibrated group (the part of a draft that is no catch-up)
         self.seeded = False
         self.measured: dict = {}  # (G, option) -> the round count at its last measurement
         self.count: dict[int, int] = {}  # G -> rounds chosen
@@ -442,6 +445,8 @@ class Goodput(FixedK):
                 self.rounds.observe(c.group, c.context, ("model", k), verify[k + 1] + draft[2] + (k - 1) * draft[1])
         if draft and self.k > 1:
             self.feed_per_column = max(0.0, draft[top] - draft[2]) / (self.k - 1) / c.group
+        if draft:
+            self.draft_step = draft[1] / c.group
 
     def wants_draft(self) -> bool:
         plain = self.rounds.table.get(("", 0))
@@ -508,6 +513,8 @@ class Goodput(FixedK):
         choice = report.choice
         option = (choice.source if choice.k else "", choice.k)
         group, context = report.group, report.context
+        if option[0] == "model" and report.fed > self.k + 1:
+            self._observe_catch_up(report)
         first = (group, option) not in self.measured
         if first and report.fed > self.k + 1:
             return None  # a long catch-up (the draft left behind by plain windows) is no first measure of the option
@@ -520,6 +527,17 @@ class Goodput(FixedK):
         self.ladder[option[0]] = max(self.ladder.get(option[0], 0), option[1])
         self.last_round = (group, context, option, weight)
         return None
+
+
+    def _observe_catch_up(self, report: RoundReport) -> None:
+        """A real catch-up prices the next ones: its draft time past k draft steps, per column and row. The first
+        replaces the calibrated seed (a slope between two short forwards, which under-prices a long feed)."""
+        columns = (report.fed - 2) * report.group
+        extra = report.draft_s - report.choice.k * self.draft_step * report.group
+        measured = max(0.0, extra) / columns
+        self.feed_per_column = measured if not self.feed_measured else (
+            (1 - TIME_EMA) * self.feed_per_column + TIME_EMA * measured)
+        self.feed_measured = True
 
 
 class Auto:

@@ -125,6 +125,23 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
     assert policy.choose(rows(8, 10_000.0), model(catch_up=400)).k > 0  # ... or spread over a long completion
 
 
+def test_a_real_catch_up_prices_the_next_one():
+    """Calibration prices a fed column from two short forwards; a long catch-up costs more per column (measured
+    here: 6.7 s where 3.4 s were modelled). The first real catch-up replaces that seed."""
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.0005)
+    for r in range(8):
+        for _ in range(20):
+            policy.acceptance.observe(("model", r), 5, 3)
+    for k in range(1, 6):
+        policy.observe(report(8, "model", k, 0.1))
+    assert policy.choose(rows(8, 50.0), model(catch_up=400)).k > 0  # the seed: 400 columns look cheap
+    caught_up = report(8, "model", 1, 5.0)
+    caught_up.fed, caught_up.draft_s = 400, 4.0 + 0.01  # 4 s of catch-up beside one draft step
+    policy.observe(caught_up)
+    assert policy.feed_per_column == pytest.approx(4.0 / (398 * 8))
+    assert policy.choose(rows(8, 50.0), model(catch_up=400)).k == 0  # now priced as measured
+
+
 def test_a_spec_trial_charges_a_catch_up_over_its_own_rounds_not_the_rows_rest():
     """The draft left behind by PLAIN windows: a trial that loses leaves it behind again, so the catch-up serves
     the trial's rounds only; once SPEC has won, it serves the rows' rest."""
