@@ -65,6 +65,25 @@ def run(target, draft, eos, reqs, name: str, batch: int, k: int):
     return time.perf_counter() - started, results, stats
 
 
+def setup(prompts: int, max_new_tokens: int, threads: int, runs: list[str], k: int):
+    """The default target and shipped draft (folded attention), their EOS ids and ``prompts`` Spec-Bench requests;
+    every run in ``runs`` warmed up once. Returns (target, draft, eos, requests)."""
+    torch.set_num_threads(threads)
+    tgt = models.load_model(None, "auto", "auto", quiet=True)
+    drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
+    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
+    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
+    for handle in (target, draft):
+        use_folded_sdpa(handle.model)
+    eos = models.eos_ids(tgt.model, tgt.tokenizer)
+    texts = [render_prompt(tgt.tokenizer, p, True, None) for p in bench.spec_bench_prompts(bench.SPEC_BENCH, prompts)]
+    reqs = bench.requests(texts, max_new_tokens)
+    warm = [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]]
+    for name in runs:
+        run(target, draft, eos, warm, name, 2, k)
+    return target, draft, eos, reqs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=16)
@@ -74,19 +93,7 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    tgt = models.load_model(None, "auto", "auto", quiet=True)
-    drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
-    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
-    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
-    for handle in (target, draft):
-        use_folded_sdpa(handle.model)
-    eos = models.eos_ids(tgt.model, tgt.tokenizer)
-    prompts = [render_prompt(tgt.tokenizer, p, True, None) for p in bench.spec_bench_prompts(bench.SPEC_BENCH,
-                                                                                             args.prompts)]
-    reqs = bench.requests(prompts, args.max_new_tokens)
-    for name in args.runs:  # warm-up
-        run(target, draft, eos, [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]], name, 2, args.k)
+    target, draft, eos, reqs = setup(args.prompts, args.max_new_tokens, args.threads, args.runs, args.k)
     out = []
     for batch in args.batch_sizes:
         order = args.runs + args.runs[::-1]

@@ -15,18 +15,11 @@ import collections
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import auto_arms  # noqa: E402
-import bench  # noqa: E402
-from batchspec_cli import models  # noqa: E402
-from batchspec_cli.align import use_folded_sdpa  # noqa: E402
-from batchspec_cli.engine import ModelHandle  # noqa: E402
-from batchspec_cli.io import render_prompt  # noqa: E402
 
 
 def phases(stats) -> dict[str, list]:
@@ -61,21 +54,8 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    tgt = models.load_model(None, "auto", "auto", quiet=True)
-    drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
-    target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
-    draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
-    for handle in (target, draft):
-        use_folded_sdpa(handle.model)
-    eos = models.eos_ids(tgt.model, tgt.tokenizer)
-    prompts = [render_prompt(tgt.tokenizer, p, True, None)
-               for p in bench.spec_bench_prompts(bench.SPEC_BENCH, args.prompts)]
-    reqs = bench.requests(prompts, args.max_new_tokens)
+    target, draft, eos, reqs = auto_arms.setup(args.prompts, args.max_new_tokens, args.threads, args.runs, args.k)
     print("prompt tokens:", sorted(len(r.prompt_ids) for r in reqs), flush=True)
-    warm = [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]]
-    for name in args.runs:
-        auto_arms.run(target, draft, eos, warm, name, 2, args.k)
     first = None
     for name in args.runs + args.runs[::-1]:
         seconds, results, stats = auto_arms.run(target, draft, eos, reqs, name, args.batch_size, args.k)

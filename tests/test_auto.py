@@ -112,14 +112,21 @@ def test_each_row_verifies_the_proposal_with_the_most_expected_accepted_tokens()
     assert (choice.k, choice.source, choice.drafters) == (4, "lookup", ["ngram", "suffix", ""])
 
 
-def test_policy_charges_a_lagging_draft_its_catch_up():
-    # each fed column costs 0.05 s (a dear draft prefill)
-    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.05)
+def measured_model_policy(feed_per_column: float) -> Goodput:
+    """SPEC with a flat 0.1 s round at any k, rows that accept 3 of 5 model drafts, every model k measured once;
+    calibrated so that each column a lagging draft is fed costs ``feed_per_column`` x 8 rows (s)."""
+    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * feed_per_column)
     for r in range(8):
         for _ in range(20):
             policy.acceptance.observe(("model", r), 5, 3)
     for k in range(1, 6):
         policy.observe(report(8, "model", k, 0.1))
+    return policy
+
+
+def test_policy_charges_a_lagging_draft_its_catch_up():
+    # each fed column costs 0.05 s (a dear draft prefill)
+    policy = measured_model_policy(0.05)
     assert policy.choose(rows(8), model()).k > 0
     assert policy.choose(rows(8, 2.0), model(catch_up=400)).k == 0  # 400 columns to feed for 2 tokens left
     assert policy.choose(rows(8, 10_000.0), model(catch_up=400)).k > 0  # ... or spread over a long completion
@@ -128,12 +135,7 @@ def test_policy_charges_a_lagging_draft_its_catch_up():
 def test_a_real_catch_up_prices_the_next_one():
     """Calibration prices a fed column from two short forwards; a long catch-up costs more per column (measured
     here: 6.7 s where 3.4 s were modelled). The first real catch-up replaces that seed."""
-    policy = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.0005)
-    for r in range(8):
-        for _ in range(20):
-            policy.acceptance.observe(("model", r), 5, 3)
-    for k in range(1, 6):
-        policy.observe(report(8, "model", k, 0.1))
+    policy = measured_model_policy(0.0005)
     assert policy.choose(rows(8, 50.0), model(catch_up=400)).k > 0  # the seed: 400 columns look cheap
     caught_up = report(8, "model", 1, 5.0)
     caught_up.fed, caught_up.draft_s = 400, 4.0 + 0.01  # 4 s of catch-up beside one draft step
@@ -146,12 +148,7 @@ def test_a_spec_trial_charges_a_catch_up_over_its_own_rounds_not_the_rows_rest()
     """The draft left behind by PLAIN windows: a trial that loses leaves it behind again, so the catch-up serves
     the trial's rounds only; once SPEC has won, it serves the rows' rest."""
     policy = Auto(5)
-    policy.spec = policy_with({w: 0.1 for w in range(1, 7)}, 0.01, 0.012, feed_longest=0.012 + 4 * 0.02)
-    for r in range(8):
-        for _ in range(20):
-            policy.spec.acceptance.observe(("model", r), 5, 3)
-    for k in range(1, 6):
-        policy.spec.observe(report(8, "model", k, 0.1))
+    policy.spec = measured_model_policy(0.02)
     policy.arms.arm = SPEC  # on trial: PLAIN is the incumbent
     assert policy.choose(rows(8, 1000.0), model()).k > 0  # a current draft pays
     assert policy.choose(rows(8, 1000.0), model(catch_up=400)).k == 0  # 400 columns for one trial's rounds
