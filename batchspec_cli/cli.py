@@ -146,9 +146,10 @@ def generate(
     checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = 32,
     checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
     threads: ThreadsOpt = None,
-    kernels: Annotated[str, typer.Option("--kernels", help="stock | packed: on a CPU, linear layers with "
-                                         "oneDNN-prepacked weights (cheaper multi-token verifies; twice the weight "
-                                         "memory).")] = "stock",
+    kernels: Annotated[str, typer.Option("--kernels", help="auto | stock | packed: on a CPU in float32, linear "
+                                         "layers with oneDNN-prepacked weights (faster verifies and batched steps; "
+                                         "twice the weight memory). auto: packed when the copies take at most "
+                                         "half the free memory.")] = "auto",
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
                                       "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
                                       "RAY_ADDRESS, else starts a local Ray on this machine.")] = False,

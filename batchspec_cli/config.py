@@ -18,7 +18,7 @@ from . import logprobs as lp
 from . import sources
 from .engine import MODES
 
-KERNELS = ("stock", "packed")
+KERNELS = ("auto", "stock", "packed")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
 
@@ -94,7 +94,9 @@ class GenerateConfig:
     stats: Path | None = None
     bucket_width: int | None = None
     threads: int | None = None
-    kernels: str = setting("stock", metadata=True)  # packed: oneDNN-prepacked linear layers on a CPU (kernels.py)
+    # packed: oneDNN-prepacked linear layers on a CPU (kernels.py); auto: packed for float32 on a CPU when the memory
+    # allows. The output metadata records the kernels that ran (plan.use_kernels).
+    kernels: str = setting("auto", metadata=True)
     # Scale-out (see distributed.py): how the job is spread, never what it computes.
     ray: bool = False
     ray_address: str | None = None  # implies ray

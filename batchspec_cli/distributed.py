@@ -119,7 +119,7 @@ class Worker:
         self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=True)
         self.draft = (models.load_draft(spec.draft_spec, self.target, cfg.dtype, cfg.device, quiet=True)
                       if spec.draft_spec is not None else None)
-        use_kernels(cfg.kernels, self.target, self.draft)
+        use_kernels(cfg.kernels, self.target, self.draft)  # auto: by this worker's own free memory
         eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
         # run() resets the rows' state; the policy's timings and the drafters' indexes carry over between blocks
         self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids, spec.lookup_names)

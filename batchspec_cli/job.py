@@ -104,7 +104,7 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
         "batchspec_version": __version__, "torch_version": torch.__version__,
         "transformers_version": _transformers_version(),
         **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft.name if plan.draft else None,
-                          mode=plan.mode, window=pool_window(cfg.batch_size, cfg.window),
+                          mode=plan.mode, window=pool_window(cfg.batch_size, cfg.window), kernels=plan.kernels,
                           dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
         "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
         "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),

@@ -1,11 +1,12 @@
-"""Opt-in CPU kernels: linear layers with oneDNN-prepacked weights (inference only).
+"""CPU kernels: linear layers with oneDNN-prepacked weights (inference only; ``--kernels auto`` uses them on a CPU
+in float32 when the memory allows, see ``plan.use_kernels``).
 
 On a CPU, a forward of a few new tokens (a verify of k + 1 tokens, a short catch-up) runs
 its linear layers as small-M matrix products, which MKL's general path does far less
 efficiently than the one-token matrix-vector product: on 2 cores, 6 rows cost about twice
 one row although the weights stream once either way. oneDNN with its weights reordered
-once into its blocked layout ("prepacked") keeps the cost of M = 1..8 rows nearly flat,
-but pays a fixed per-call overhead that makes M = 1 slower than MKL's matrix-vector path.
+once into its blocked layout ("prepacked") keeps the cost of M = 1..8 rows nearly flat;
+at M = 1 it is no faster than MKL's matrix-vector path (a fixed per-call overhead).
 
 ``prepack(model, min_rows)`` therefore swaps every float32 CPU ``nn.Linear`` for a
 ``PackedLinear`` that runs oneDNN for inputs of at least ``min_rows`` rows (tokens x batch)
@@ -25,12 +26,16 @@ weights in place.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-DEFAULT_MIN_ROWS = 4  # 1-3 rows: MKL's stock path is as fast or faster (2-core CPU, SmolLM2-135M)
+# One row: MKL's matrix-vector path is as fast (0.93-1.08x oneDNN's time at 1-2 threads); from two rows on oneDNN
+# is much faster: 2-3 rows cost 0.58-0.74x the stock time at batch 1, 4-8 rows x 1 token 0.65x
+# (SmolLM2-135M, 2-core CPU, benchmarks/verify_cost.py; docs/performance.md).
+DEFAULT_MIN_ROWS = 2
 
 
 def available() -> bool:
@@ -108,6 +113,26 @@ def unpack(model: nn.Module) -> nn.Module:
             if isinstance(child, PackedLinear):
                 setattr(parent, name, child.to_linear())
     return model
+
+
+def packable_bytes(model: nn.Module) -> int:
+    """The memory ``prepack`` would add to ``model``: the weight bytes of its not yet packed float32 CPU linears."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _packable(m))
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this machine can still give without swapping (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def packed_layers(model: nn.Module) -> int:

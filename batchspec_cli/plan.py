@@ -28,6 +28,8 @@ from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, row_overrid
 from .events import RowResult, StepStats
 from .prompts import render_prompts
 
+PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
+
 
 @dataclass(frozen=True)
 class JobPlan:
@@ -46,6 +48,7 @@ class JobPlan:
     draft_spec: str | None  # the draft model's spec a distributed worker loads; None without a draft
     lookup_names: tuple[str, ...]  # model-free drafters (drafters.NAMES)
     eos_ids: list[int]
+    kernels: str  # the kernels that run: stock | packed (use_kernels)
     notes: tuple[str, ...]  # for the user (a fallback, a kernel that cannot apply, a discarded part)
     bucket_dir: Path | None = None  # the length buckets the rows are read from (the work directory's, or the input)
     manifest: Manifest | None = None
@@ -135,7 +138,8 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
         draft = models.load_draft(draft_spec, target, cfg.dtype, cfg.device, quiet=cfg.quiet)
         if draft.model.device != target.model.device:
             raise UsageError("draft and target ended up on different devices")
-    notes += use_kernels(cfg.kernels, target, draft)
+    kernels_run, kernel_notes = use_kernels(cfg.kernels, target, draft)
+    notes += kernel_notes
 
     if bucket_dir is not None:
         inp, overrides = _read_bucket_dir(cfg, manifest, target_name, target)
@@ -143,7 +147,8 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     plan = JobPlan(
         stats_path=stats_path, output_format=output_format, inp=inp, input_hash=input_hash,
         overrides=overrides, mode=mode, target_name=target_name, target=target, draft=draft, draft_spec=draft_spec,
-        lookup_names=tuple(lookup_names), eos_ids=models.eos_ids(target.model, target.tokenizer), notes=tuple(notes),
+        lookup_names=tuple(lookup_names), eos_ids=models.eos_ids(target.model, target.tokenizer), kernels=kernels_run,
+        notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
         bucket_dir=bucket_dir, manifest=manifest)
 
@@ -274,13 +279,26 @@ def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:
                              f"was the bucket directory made for another model?")
 
 
-def use_kernels(name: str, *loaded: models.LoadedModel | None) -> list[str]:
-    """Apply ``--kernels`` to the loaded models; returns notes for the user (a kernel that cannot apply)."""
+def use_kernels(name: str, *loaded: models.LoadedModel | None) -> tuple[str, list[str]]:
+    """Apply ``--kernels`` to the loaded models. Returns the kernels that run (stock or packed) and notes for the
+    user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory)."""
     if name == "stock":
-        return []
+        return "stock", []
     from . import kernels
 
+    present = [m.model for m in loaded if m is not None]
     if not kernels.available():
-        return ["--kernels packed needs a PyTorch build with oneDNN: running the stock kernels"]
-    done = sum(kernels.packed_layers(kernels.prepack(m.model)) for m in loaded if m is not None)
-    return [] if done else ["--kernels packed applies to float32 models on a CPU: running the stock kernels"]
+        return "stock", [] if name == "auto" else ["--kernels packed needs a PyTorch build with oneDNN: "
+                                                   "running the stock kernels"]
+    extra = sum(kernels.packable_bytes(m) for m in present)
+    if extra == 0:  # a GPU, or another dtype than float32
+        return "stock", [] if name == "auto" else ["--kernels packed applies to float32 models on a CPU: "
+                                                   "running the stock kernels"]
+    free = kernels.memory_available()
+    if name == "auto" and free is not None and PACKED_MEMORY_SHARE * free < extra:
+        return "stock", [f"the packed CPU kernels would take {extra / 2**20:.0f} MiB more memory, and "
+                         f"{free / 2**20:.0f} MiB is available: running the stock kernels (--kernels packed "
+                         f"forces them)"]
+    for model in present:
+        kernels.prepack(model)
+    return "packed", []

@@ -26,11 +26,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench  # noqa: E402
-from batchspec_cli import control, drafters, models  # noqa: E402
+from batchspec_cli import control, drafters, kernels, models  # noqa: E402
 from batchspec_cli.align import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.plan import use_kernels  # noqa: E402
 
 
 class PlainOnly(control.Arms):
@@ -47,7 +48,21 @@ class SpecOnly(PlainOnly):
         self.window = control.Window(control.SPEC)
 
 
-def run(target, draft, eos, reqs, name: str, batch: int, k: int):
+def run(target, draft, eos, reqs, name: str, batch: int, k: int, min_rows: int = kernels.DEFAULT_MIN_ROWS):
+    """One run. A name ending in ``+packed`` or ``+stock`` runs on those kernels (the models are switched for the
+    run and back after it); a bare name on the kernels ``setup`` chose."""
+    name, _, variant = name.partition("+")
+    if variant not in ("", "packed", "stock"):
+        raise SystemExit(f"unknown run variant {variant!r} (known: packed, stock)")
+    was_packed = kernels.packed_layers(target.model) > 0
+    if variant and (variant == "packed") != was_packed:
+        for handle in (target, draft):
+            kernels.prepack(handle.model, min_rows) if variant == "packed" else kernels.unpack(handle.model)
+        try:
+            return run(target, draft, eos, reqs, name, batch, k)
+        finally:
+            for handle in (target, draft):
+                kernels.prepack(handle.model, min_rows) if was_packed else kernels.unpack(handle.model)
     policy = None
     if name in ("auto-plain", "auto-spec"):
         policy = control.Auto(k)
@@ -65,12 +80,14 @@ def run(target, draft, eos, reqs, name: str, batch: int, k: int):
     return time.perf_counter() - started, results, stats
 
 
-def setup(prompts: int, max_new_tokens: int, threads: int, runs: list[str], k: int):
-    """The default target and shipped draft (folded attention), their EOS ids and ``prompts`` Spec-Bench requests;
-    every run in ``runs`` warmed up once. Returns (target, draft, eos, requests)."""
+def setup(prompts: int, max_new_tokens: int, threads: int, runs: list[str], k: int,
+          min_rows: int = kernels.DEFAULT_MIN_ROWS, kernel_choice: str = "auto"):
+    """The default target and shipped draft (folded attention, ``--kernels kernel_choice``), their EOS ids and
+    ``prompts`` Spec-Bench requests; every run in ``runs`` warmed up once. Returns (target, draft, eos, requests)."""
     torch.set_num_threads(threads)
     tgt = models.load_model(None, "auto", "auto", quiet=True)
     drf = models.load_draft(str(models.default_draft_path()), tgt, "auto", "auto", quiet=True)
+    use_kernels(kernel_choice, tgt, drf)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
     draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
     for handle in (target, draft):
@@ -80,7 +97,7 @@ def setup(prompts: int, max_new_tokens: int, threads: int, runs: list[str], k: i
     reqs = bench.requests(texts, max_new_tokens)
     warm = [r.__class__(**{**r.__dict__, "max_new_tokens": 8}) for r in reqs[:2]]
     for name in runs:
-        run(target, draft, eos, warm, name, 2, k)
+        run(target, draft, eos, warm, name, 2, k, min_rows)
     return target, draft, eos, reqs
 
 
@@ -92,19 +109,27 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["ar", "auto", "auto-plain"])
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kernels", choices=["auto", "stock", "packed"], default="auto",
+                        help="the kernels of runs without a +packed / +stock suffix (the CLI's --kernels)")
+    parser.add_argument("--min-rows", type=int, default=kernels.DEFAULT_MIN_ROWS,
+                        help="runs named NAME+packed: rows from which the oneDNN kernels run")
     args = parser.parse_args()
-    target, draft, eos, reqs = setup(args.prompts, args.max_new_tokens, args.threads, args.runs, args.k)
+    target, draft, eos, reqs = setup(args.prompts, args.max_new_tokens, args.threads, args.runs, args.k,
+                                     args.min_rows, args.kernels)
     out = []
     for batch in args.batch_sizes:
         order = args.runs + args.runs[::-1]
         times: dict[str, list[float]] = {name: [] for name in args.runs}
         outputs, arms = {}, {}
         for name in order:
-            seconds, results, stats = run(target, draft, eos, reqs, name, batch, args.k)
+            seconds, results, stats = run(target, draft, eos, reqs, name, batch, args.k, args.min_rows)
             times[name].append(seconds)
-            if outputs.setdefault(name, results) != results or results != outputs[args.runs[0]]:
-                sys.exit(f"batch {batch}: {name} differs from {args.runs[0]}")
-            if name.startswith("auto"):
+            # Runs on the same kernels must agree exactly; stock against packed differ by float32 rounding,
+            # so only the number of rows that differ is reported.
+            same = next(n for n in args.runs if n.partition("+")[2] == name.partition("+")[2])
+            if outputs.setdefault(name, results) != results or results != outputs.setdefault(same, results):
+                sys.exit(f"batch {batch}: {name} differs from {same}")
+            if "auto" in name:
                 ran = {}
                 for s in stats:
                     if s.arm:
@@ -116,6 +141,11 @@ def main() -> None:
                 arms.setdefault(name, []).append(ran)
         tokens = sum(len(t) for t in outputs[args.runs[0]].values())
         row = {"batch": batch, "tokens": tokens}
+        base = outputs[args.runs[0]]
+        differ = {n: sum(base[r] != o[r] for r in base) for n, o in outputs.items() if o is not base}
+        if any(differ.values()):
+            row["rows_differing_from_" + args.runs[0]] = differ
+            print(f"batch {batch:2}: rows differing from {args.runs[0]} (other kernels): {differ}", flush=True)
         for name in args.runs:
             passes = [ar / mine for ar, mine in zip(times["ar"], times[name])]
             row[name] = {"seconds": times[name], "ratio_vs_ar": statistics.mean(passes), "passes": passes}

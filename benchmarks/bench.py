@@ -66,6 +66,7 @@ from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.plan import use_kernels  # noqa: E402
 from batchspec_cli.stats import acceptance_length  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 
@@ -430,6 +431,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--kernels", choices=["auto", "stock", "packed"], default="auto",
+                        help="the CLI's --kernels, for every mode (auto: oneDNN-prepacked linears on a CPU)")
     parser.add_argument("--order", choices=["palindrome", "given"], default="palindrome",
                         help="palindrome: run the modes forward, then backward, and pool both runs (cancels drift; "
                              "twice the time); given: once each, in the order of --modes")
@@ -449,7 +452,7 @@ def main() -> None:
 
     tgt = models.load_model(args.target, args.dtype, args.device, quiet=True)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
-    draft = None
+    draft = drf = None
     if needs_model:
         draft_spec = args.draft or (str(models.default_draft_path()) if args.target is None and
                                     models.default_draft_path() else None)
@@ -457,6 +460,7 @@ def main() -> None:
             sys.exit("no draft: pass --draft (the default target's shipped draft is missing)")
         drf = models.load_draft(draft_spec, tgt, args.dtype, args.device, quiet=True)
         draft = ModelHandle(drf.model, models.cache_kwarg(drf.model))
+    kernels_run, _ = use_kernels(args.kernels, tgt, drf)
     for handle in (target, draft):  # as the engine runs them (bare forwards and hf included)
         if handle is not None:
             use_folded_sdpa(handle.model)
@@ -552,7 +556,7 @@ def main() -> None:
     record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": ks, "max_k": max_k,
               "drafters": list(configs), "by_category": args.by_category, "order": args.order,
               "device": str(tgt.model.device), "dtype": str(tgt.model.dtype).removeprefix("torch."),
-              "threads": torch.get_num_threads(), "rows": rows,
+              "threads": torch.get_num_threads(), "kernels": kernels_run, "rows": rows,
               "mismatches_vs_ar": engine_counts,
               "hf_mismatched_rows": {b: {n: r for n, r in runs.items() if r} for b, runs in hf_rows.items()},
               "plot": str(png) if png else None}

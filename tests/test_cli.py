@@ -263,16 +263,20 @@ def test_column_clash_refused(tmp_path, model_dirs):
 def test_packed_kernels_give_the_stock_kernels_output(tmp_path, prompts_jsonl, model_dirs):
     target, draft = model_dirs
     outs = {}
-    for name in ("stock", "packed"):
+    for name in ("stock", "packed", None):  # None: the default, auto, which packs a float32 model on a CPU
         out = tmp_path / f"{name}.parquet"
         result = invoke("generate", prompts_jsonl, out, "--target", target, "--draft", draft, "--max-new-tokens",
-                        "12", "--quiet", "--dtype", "float32", "--kernels", name)
+                        "12", "--quiet", "--dtype", "float32", *(["--kernels", name] if name else []))
         assert result.exit_code == 0, result.output
-        assert read_run_metadata(out)["kernels"] == name
+        assert read_run_metadata(out)["kernels"] == (name or "packed")  # the kernels that ran
         outs[name] = pq.read_table(out).column("completion_token_ids").to_pylist()
-    assert outs["packed"] == outs["stock"]
+    assert outs["packed"] == outs["stock"] == outs[None]
+    out = tmp_path / "f64.parquet"
+    assert invoke("generate", prompts_jsonl, out, "--target", target, "--max-new-tokens", "4", "--quiet",
+                  "--dtype", "float64").exit_code == 0
+    assert read_run_metadata(out)["kernels"] == "stock"  # auto: oneDNN packs float32 only
     bad = invoke("generate", prompts_jsonl, tmp_path / "x.parquet", "--target", target, "--kernels", "fast")
-    assert bad.exit_code == 2 and "--kernels must be one of stock, packed" in bad.output
+    assert bad.exit_code == 2 and "--kernels must be one of auto, stock, packed" in bad.output
 
 
 def test_threads_apply_to_the_job_alone(tmp_path, prompts_jsonl, model_dirs):

@@ -42,7 +42,7 @@ def test_prepack_leaves_other_dtypes_alone():
     assert kernels.packed_layers(kernels.prepack(model)) == 0
 
 
-@pytest.mark.parametrize("min_rows", [1, 4])
+@pytest.mark.parametrize("min_rows", [1, 2, 4])
 @pytest.mark.parametrize("batch,length", [(1, 1), (1, 3), (1, 6), (3, 1), (3, 5)])
 @torch.no_grad()
 def test_logits_match_the_stock_model(min_rows, batch, length):
@@ -65,7 +65,7 @@ def test_deepcopy_of_a_packed_model_is_packed_and_equal():
 PROMPTS = [[5, 17, 40, 8], [60, 61, 62, 63, 64, 65, 66, 9], [33], [70, 12, 12, 90, 4, 44]]
 
 
-@pytest.mark.parametrize("min_rows", [1, 4])
+@pytest.mark.parametrize("min_rows", [1, 2, 4])
 def test_greedy_decoding_is_identical(min_rows):
     model = tiny()
     packed = packed_copy(model, min_rows)
@@ -77,8 +77,8 @@ def test_greedy_decoding_is_identical(min_rows):
 def test_speculative_decoding_with_packed_models_equals_ar(mode):
     """The engine on packed target and draft (verify forwards of k + 1 tokens) == packed greedy == stock greedy."""
     model = tiny()
-    target = packed_copy(model, min_rows=4)
-    draft = kernels.prepack(perturbed_copy(model, scale=0.01, seed=1), min_rows=4)
+    target = packed_copy(model, min_rows=kernels.DEFAULT_MIN_ROWS)
+    draft = kernels.prepack(perturbed_copy(model, scale=0.01, seed=1))
     references = [greedy_reference(model, p, 13, [1]) for p in PROMPTS]
     assert references == [greedy_reference(target, p, 13, [1]) for p in PROMPTS]
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1],
@@ -87,3 +87,39 @@ def test_speculative_decoding_with_packed_models_equals_ar(mode):
                 for i, p in enumerate(PROMPTS)]
     results = {e.row: e.token_ids for e in engine.run(requests) if isinstance(e, RowResult)}
     assert [results[i] for i in range(len(PROMPTS))] == references
+
+
+class _Loaded:
+    def __init__(self, model):
+        self.model = model
+
+
+def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch):
+    """--kernels auto: packed for float32 on a CPU, stock (and a note) when the copies would not fit in half the
+    free memory, stock without a note for other dtypes; --kernels packed forces them; stock leaves the model alone."""
+    from batchspec_cli.plan import use_kernels
+
+    weights = sum(m.weight.numel() * 4 for m in tiny().modules() if type(m) is torch.nn.Linear)
+    assert kernels.packable_bytes(tiny()) == weights > 0
+    assert kernels.packable_bytes(packed_copy(tiny())) == 0  # already packed: nothing more to add
+    free = kernels.memory_available()
+    assert free is None or free > 0
+
+    monkeypatch.setattr(kernels, "memory_available", lambda: 2 * weights)
+    model = tiny()
+    assert use_kernels("auto", _Loaded(model), None) == ("packed", [])
+    assert kernels.packed_layers(model) > 0
+
+    monkeypatch.setattr(kernels, "memory_available", lambda: 2 * weights - 1)
+    model = tiny()
+    ran, notes = use_kernels("auto", _Loaded(model))
+    assert ran == "stock" and kernels.packed_layers(model) == 0
+    assert len(notes) == 1 and "--kernels packed" in notes[0] and "MiB" in notes[0]
+    assert use_kernels("packed", _Loaded(model)) == ("packed", []) and kernels.packed_layers(model) > 0
+
+    model = tiny()
+    assert use_kernels("stock", _Loaded(model)) == ("stock", []) and kernels.packed_layers(model) == 0
+    float64 = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+    assert use_kernels("auto", _Loaded(float64)) == ("stock", [])
+    ran, notes = use_kernels("packed", _Loaded(float64))
+    assert ran == "stock" and "float32" in notes[0]

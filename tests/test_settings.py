@@ -86,7 +86,8 @@ def a_job(draft: bool) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
-                           eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False)
+                           eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,
+                           kernels="packed")
 
 
 def old_fingerprint(job) -> dict:
@@ -133,7 +134,7 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
         assert {key: meta[key] for key in old} == old  # the old keys keep their values
         # added with the model-free drafters, --kernels, then the inputs of issue 28
         assert set(meta) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
-        assert meta["drafters"] == (["model"] if draft else []) + ["suffix"] and meta["kernels"] == "stock"
+        assert meta["drafters"] == (["model"] if draft else []) + ["suffix"] and meta["kernels"] == "packed"
 
 
 def test_a_recent_setting_enters_the_fingerprint_only_away_from_its_default():
