@@ -51,8 +51,11 @@ charged at the cost per column the last real catch-up measured (calibrated until
 the calibration's short forwards under-price a long feed), spread over the rounds the rows have left, or,
 while SPEC is only on trial, over the trial's ``TRIAL_ROUNDS`` when that is shorter (a trial
 that loses leaves the draft behind again). While SPEC is on trial the pool holds the batch
-in flight (``wants_pool``) and admits rows without a draft prefill (``wants_draft``): a
-losing trial has not paid for admitting a second batch, nor for drafts it never ran.
+in flight (``wants_pool``): a losing trial has not paid for admitting a second batch. Rows
+get a draft prefill at admission (``wants_draft``) while SPEC's ruler says a current draft
+pays and SPEC holds, or a window of SPEC's last trial at least matched PLAIN (a trial run
+mostly without the draft came close); the prefills count in SPEC's windows, never in
+PLAIN's, so PLAIN is not judged by SPEC's costs.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class RoundReport:
     seconds: float  # the round's own clock, from its choice to its last bookkeeping
     prepare_s: float  # bringing the group into one rectangle before the round
     elapsed_s: float  # wall clock since the previous round ended (everything in between counts)
+    draft_prefill_s: float = 0.0  # of elapsed_s: draft prefills at admission (made for SPEC, charged to SPEC)
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -320,6 +324,7 @@ class Arms:
         self.baseline = 0.0  # the incumbent's latest window rate
         self.window = Window(PLAIN)
         self.windows: list[tuple[str, float]] = []  # (arm, measured rate) of every closed window
+        self.spec_hopeful = False  # a window of SPEC's latest trial measured at least the incumbent PLAIN's rate
 
     def record(self, tokens: int, seconds: float) -> float | None:
         """One round of the running arm; returns the window's rate when this round closes it."""
@@ -346,6 +351,8 @@ class Arms:
                 self.arm, self.trial = other, 0
             return
         self.trial += 1
+        if self.arm == SPEC:
+            self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or rate >= self.baseline
         if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
             self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
         elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
@@ -547,6 +554,7 @@ class Auto:
         self.k = max_k
         self.arms = Arms()
         self.spec = Goodput(max_k)
+        self.owed_s = 0.0  # draft prefills PLAIN windows did for SPEC, charged to SPEC's next round
 
     def wants_seed(self) -> bool:
         return self.arms.arm == SPEC and not self.spec.seeded
@@ -555,9 +563,13 @@ class Auto:
         self.spec.seed(calibration)
 
     def wants_draft(self) -> bool:
-        """Draft prefills at admission once SPEC has won; during a trial the draft catches up only if SPEC
-        picks it, charged to the trial (``Goodput.horizon``)."""
-        return self.arms.arm == SPEC and self.arms.incumbent == SPEC and self.spec.wants_draft()
+        """Draft prefills at admission while SPEC's ruler says a current draft pays and SPEC holds, or PLAIN holds
+        and a window of SPEC's last trial measured at least PLAIN's rate (``Arms.spec_hopeful``: a trial that ran
+        mostly without the draft was close). Rows in flight catch up only if a SPEC round picks the draft. The
+        prefills are SPEC's cost (``observe``)."""
+        if self.arms.incumbent == PLAIN and not self.arms.spec_hopeful:
+            return False
+        return self.spec.wants_draft()
 
     def wants_pool(self) -> bool:
         """The whole pool once SPEC has won; a SPEC trial runs on the batch in flight, so a trial that loses
@@ -574,4 +586,10 @@ class Auto:
 
     def observe(self, report: RoundReport) -> float | None:
         self.spec.observe(report)  # acceptance, and the plain steps' cost, whichever arm ran
-        return self.arms.record(report.tokens, report.elapsed_s)
+        seconds = report.elapsed_s
+        if self.arms.arm == PLAIN:  # draft prefills during a PLAIN window serve SPEC: its next window pays them
+            seconds -= report.draft_prefill_s
+            self.owed_s += report.draft_prefill_s
+        else:
+            seconds, self.owed_s = seconds + self.owed_s, 0.0
+        return self.arms.record(report.tokens, seconds)

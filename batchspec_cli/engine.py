@@ -192,6 +192,7 @@ class Engine:
         self.exhausted = False
         self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
+        self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
 
     def _check(self, req: Request) -> str | None:
@@ -298,11 +299,15 @@ class Engine:
         if not slots or end - 2 <= 0:
             return
         rows_index = selection(slots, self.device)
+        started = time.perf_counter()
         try:
             self.model_drafter.prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
+            self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
+        finally:
+            self.draft_prefill_s += time.perf_counter() - started
         for s in slots:
             self.state.draft_end[s] = end - 2
 
@@ -437,9 +442,9 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended,
+            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s,
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
-        self.round_ended = ended
+        self.round_ended, self.draft_prefill_s = ended, 0.0
         window = self.policy.observe(report)
         live_in_group = [s for s in slots if state.rows[s] is not None]
         yield StepStats(

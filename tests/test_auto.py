@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from batchspec_cli import control, drafters, sampling
-from batchspec_cli.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, Arms, Auto, Calibration, Choice, FixedK,
-                                   Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
+from batchspec_cli.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, WINDOW_ROUNDS, Arms, Auto, Calibration,
+                                   Choice, FixedK, Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
 from batchspec_cli.engine import Engine, EngineConfig
 from batchspec_cli.events import Sampling
 from conftest import TINY_VOCAB_SIZE, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
@@ -75,11 +76,59 @@ def test_policy_picks_the_most_when_a_perfect_draft_verifies_for_free():
         policy.observe(report(8, choice.source, choice.k, 0.2))
     assert ks == [1, 2, 3, 4, 5, 5, 5] and choice.source == "model" and choice.expected_tokens > 8 * 5
     assert policy.wants_draft()
-    auto = Auto(5)  # the same SPEC inside auto: draft prefills at admission only once SPEC has won
-    auto.spec, auto.arms.arm = policy, SPEC
-    assert not auto.wants_draft()  # on trial: the draft catches up only if the trial picks it
-    auto.arms.incumbent = SPEC
+
+
+def test_auto_prefills_the_draft_while_spec_holds_or_its_last_trial_came_close():
+    """No draft prefill before SPEC is first tried; while PLAIN holds, only after a SPEC trial with a window at least
+    at PLAIN's rate; once SPEC holds, whenever its ruler says a current draft pays; never when the ruler says no."""
+    good = policy_with({w: 0.2 for w in range(1, 7)}, 0.0, 0.0)  # a draft that verifies for free: it pays
+    for r in range(8):
+        for _ in range(20):
+            good.acceptance.observe(("model", r), 5, 5)
+    good.observe(report(8, "", 0, 0.2))
+    assert good.wants_draft()
+    auto = Auto(5)
+    auto.spec = good
+    arms = auto.arms
+    assert not auto.wants_draft()  # PLAIN holds and SPEC was never tried
+
+    def trial(*rates):  # SPEC trial windows at these shares of PLAIN's rate (100 tok/s)
+        arms.baseline, arms.arm, arms.trial = 100.0, SPEC, 0
+        for share in rates:
+            for _ in range(WINDOW_ROUNDS):
+                arms.record(round(25 * share), 0.25)  # 10 rounds of 0.25 s: a window (WINDOW_SECONDS = 2)
+        assert arms.arm == PLAIN and arms.incumbent == PLAIN
+
+    trial(1.0)  # even with PLAIN, not a win: no switch, but close
     assert auto.wants_draft()
+    trial(0.9)
+    assert not auto.wants_draft()
+    trial(1.05, 0.7)  # one window won, the second lost: the trial came close
+    assert auto.wants_draft()
+    arms.baseline, arms.arm, arms.trial = 100.0, SPEC, 0
+    for _ in range(WINDOW_ROUNDS // 2):  # under a third of PLAIN's rate: cut at half a window
+        arms.record(6, 0.25)
+    assert arms.arm == PLAIN and not auto.wants_draft()
+    arms.incumbent = SPEC  # once SPEC holds, the ruler alone decides
+    assert auto.wants_draft()
+    dear = policy_with({w: 0.2 * (1 + 0.5 * (w - 1)) for w in range(1, 7)}, 0.05, 0.05)
+    dear.observe(report(8, "", 0, 0.2))
+    auto.spec = dear
+    assert not dear.wants_draft() and not auto.wants_draft()
+
+
+def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
+    """A PLAIN round's wall clock loses the draft prefills made before it; SPEC's next round carries them."""
+    auto = Auto(5)
+    seen = []
+    auto.arms.record = lambda tokens, seconds: seen.append(seconds)
+    plain = dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.05)
+    auto.observe(plain)
+    auto.observe(plain)
+    auto.arms.arm = SPEC
+    auto.observe(dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.0))
+    auto.observe(report(8, "", 0, 0.2))
+    assert seen == pytest.approx([0.15, 0.15, 0.3, 0.2])
 
 
 def test_policy_follows_each_row_and_the_drafts_it_has():
