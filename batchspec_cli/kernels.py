@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 # One row: MKL's matrix-vector path is as fast (0.93-1.08x oneDNN's time at 1-2 threads); from two rows on oneDNN
-# is much faster: 2-3 rows cost 0.58-0.74x the stock time at batch 1, 4-8 rows x 1 token 0.65x
+# is much faster: 2-3 rows cost 0.54-0.74x the stock time at batch 1, 4-8 rows x 1 token 0.65-0.66x
 # (SmolLM2-135M, 2-core CPU, benchmarks/verify_cost.py; docs/performance.md).
 DEFAULT_MIN_ROWS = 2
 
