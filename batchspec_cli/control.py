@@ -330,12 +330,11 @@ class Arms:
         """One round of the running arm; returns the window's rate when this round closes it."""
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
-        if self.window.full():
-            rate = self.window.rate()
-        elif self.arm != self.incumbent and self.window.full(CUT_AT) and \
-                self.window.rate() < CUT_BELOW * self.baseline:  # a trial clearly lost: no need to finish it
-            rate = self.window.rate()
-        else:
+        full = self.window.full()
+        if not full and (self.arm == self.incumbent or not self.window.full(CUT_AT)):
+            return None
+        rate = self.window.rate()
+        if not full and rate >= CUT_BELOW * self.baseline:  # a trial clearly behind ends at CUT_AT: a clear loss
             return None
         self.windows.append((self.arm, rate))
         self._decide(rate)
@@ -534,7 +533,6 @@ class Goodput(FixedK):
         self.ladder[option[0]] = max(self.ladder.get(option[0], 0), option[1])
         self.last_round = (group, context, option, weight)
         return None
-
 
     def _observe_catch_up(self, report: RoundReport) -> None:
         """A real catch-up prices the next ones: its draft time past k draft steps, per column and row. The first

@@ -48,6 +48,14 @@ class SpecOnly(PlainOnly):
         self.window = control.Window(control.SPEC)
 
 
+def _use_packed(packed: bool, min_rows: int, *handles) -> None:
+    for handle in handles:
+        if packed:
+            kernels.prepack(handle.model, min_rows)
+        else:
+            kernels.unpack(handle.model)
+
+
 def run(target, draft, eos, reqs, name: str, batch: int, k: int, min_rows: int = kernels.DEFAULT_MIN_ROWS):
     """One run. A name ending in ``+packed`` or ``+stock`` runs on those kernels (the models are switched for the
     run and back after it); a bare name on the kernels ``setup`` chose."""
@@ -56,13 +64,11 @@ def run(target, draft, eos, reqs, name: str, batch: int, k: int, min_rows: int =
         raise SystemExit(f"unknown run variant {variant!r} (known: packed, stock)")
     was_packed = kernels.packed_layers(target.model) > 0
     if variant and (variant == "packed") != was_packed:
-        for handle in (target, draft):
-            kernels.prepack(handle.model, min_rows) if variant == "packed" else kernels.unpack(handle.model)
+        _use_packed(variant == "packed", min_rows, target, draft)
         try:
             return run(target, draft, eos, reqs, name, batch, k)
         finally:
-            for handle in (target, draft):
-                kernels.prepack(handle.model, min_rows) if was_packed else kernels.unpack(handle.model)
+            _use_packed(was_packed, min_rows, target, draft)
     policy = None
     if name in ("auto-plain", "auto-spec"):
         policy = control.Auto(k)
