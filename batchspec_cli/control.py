@@ -22,7 +22,10 @@ in PLAIN, tries SPEC after one window, and switches only when two windows of the
 in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
 loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
-once half its window has run) ends there, so a losing trial costs half a window.
+once half its window has run) ends there, so a losing trial costs half a window. SPEC
+trials are also paid from a budget (``Arms.affordable``): what they cost beyond PLAIN's
+rate, the next one's estimate included, stays within ``TRIAL_SHARE`` of the job's wall
+clock so far, so a job too short to amortise a calibration never pays for one.
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -83,6 +86,8 @@ FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles 
 CUT_AT = 0.5  # a challenger's window that has this share of its rounds and seconds ...
 CUT_BELOW = 0.8  # ... and measures under this share of the incumbent's rate ends there: a clear loss
 TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
+TRIAL_SHARE = 0.03  # SPEC trials may cost PLAIN's throughput at most this share of the job's wall clock so far
+SEED_ROUNDS = 5.0  # a first trial's estimated cost, in PLAIN rounds (the calibration measured 3-6 on a CPU)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -154,6 +159,7 @@ class RoundReport:
     prepare_s: float  # bringing the group into one rectangle before the round
     elapsed_s: float  # wall clock since the previous round ended (everything in between counts)
     draft_prefill_s: float = 0.0  # of elapsed_s: draft prefills at admission (made for SPEC, charged to SPEC)
+    rounds_left: int | None = None  # no rows left to admit: the most rounds the job has left; None: rows to come
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -232,11 +238,13 @@ def context_bin(context: int) -> int:
 class Timings:
     """Seconds per (option, context band, group size) as moving averages; interpolated over group sizes.
 
-    A context band never measured for an option borrows the nearest measured band (options
-    are compared at the same band, so their ratio, which decides, is kept)."""
+    A context band never measured for an option borrows the nearest band it was measured at,
+    scaled by how the ``reference`` option (a plain step) changes from that band to this one
+    (as ``get`` estimates it here, when it was measured there): options are compared by their ratio to a plain step, and that ratio
+    is what carries over to a band, not seconds measured where attention cost less."""
 
-    def __init__(self, ema: float = TIME_EMA):
-        self.ema = ema
+    def __init__(self, ema: float = TIME_EMA, reference=("", 0)):
+        self.ema, self.reference = ema, reference
         self.table: dict = {}  # option -> {context band -> {group size -> seconds}}
 
     def observe(self, group: int, context: int, option, seconds: float) -> float:
@@ -266,9 +274,18 @@ class Timings:
         if not bands:
             return None
         band = context_bin(context)
-        if band not in bands:
-            band = min(bands, key=lambda b: (abs(b - band), b))
-        row = bands[band]
+        if band in bands:
+            return self._at(bands[band], group)
+        near = min(bands, key=lambda b: (abs(b - band), b))
+        seconds = self._at(bands[near], group)
+        reference = self.table.get(self.reference, {})
+        if option != self.reference and near in reference:  # as a plain step changes from there to here
+            seconds *= self.get(group, context, self.reference) / self._at(reference[near], group)
+        return seconds
+
+    @staticmethod
+    def _at(row: dict[int, float], group: int) -> float:
+        """One band's seconds at ``group``: measured, interpolated between group sizes, or proportional outside."""
         if group in row:
             return row[group]
         sizes = sorted(row)
@@ -312,10 +329,11 @@ class Arms:
     or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
     twice as long as last time before the next trial. A challenger's window ends at half its
     length (``CUT_AT``) when it measures under ``CUT_BELOW`` of the incumbent's rate so far
-    (the same median of slices): a clear loss.
+    (the same median of slices): a clear loss. A SPEC trial whose wait is over starts only
+    when it is ``affordable``; until then PLAIN runs on, window after window.
     """
 
-    def __init__(self):
+    def __init__(self, share: float | None = TRIAL_SHARE):
         self.incumbent = PLAIN
         self.arm = PLAIN  # the arm running now
         self.wait = 1  # incumbent windows left before the next trial (SPEC is first tried after one)
@@ -325,9 +343,20 @@ class Arms:
         self.window = Window(PLAIN)
         self.windows: list[tuple[str, float]] = []  # (arm, measured rate) of every closed window
         self.spec_hopeful = False  # a window of SPEC's latest trial measured at least the incumbent PLAIN's rate
+        # The trial budget (``affordable``); share None: none, trials start when their wait is over.
+        self.share = share
+        self.elapsed = 0.0  # seconds of every round recorded: the job's wall clock so far
+        self.spent = 0.0  # seconds SPEC trials took beyond what PLAIN's rate would have taken for their tokens
+        self.trial_spent = 0.0  # of which the current trial's
+        self.last_trial: float | None = None  # what the latest finished SPEC trial cost (None: none ran yet)
+        self.round_s = 0.0  # the median round of the incumbent's latest window (an admission's prefill is no round)
+        self.rounds_left: int | None = None  # the rounds the job has left at most, once no rows are to come
 
-    def record(self, tokens: int, seconds: float) -> float | None:
-        """One round of the running arm; returns the window's rate when this round closes it."""
+    def record(self, tokens: int, seconds: float, rounds_left: int | None = None) -> float | None:
+        """One round of the running arm; returns the window's rate when this round closes it. ``rounds_left``: the
+        most rounds the job has left, once no rows are left to admit (None: rows to come)."""
+        self.elapsed += seconds
+        self.rounds_left = rounds_left
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
         full = self.window.full()
@@ -337,22 +366,43 @@ class Arms:
         if not full and rate >= CUT_BELOW * self.baseline:  # a trial clearly behind ends at CUT_AT: a clear loss
             return None
         self.windows.append((self.arm, rate))
+        if self.arm == SPEC and self.incumbent == PLAIN:
+            cost = max(0.0, sum(self.window.seconds) - sum(self.window.tokens) / self.baseline)
+            self.spent += cost
+            self.trial_spent += cost
+        elif self.arm == self.incumbent:
+            self.round_s = statistics.median(self.window.seconds)
         self._decide(rate)
         self.window = Window(self.arm)
         return rate
+
+    def affordable(self, arm: str = SPEC) -> bool:
+        """Whether a trial of ``arm`` may start now. A SPEC trial: when the trials so far and this one's estimated
+        cost (the latest trial's, or ``SEED_ROUNDS`` PLAIN rounds for the first, which calibrates) stay within
+        ``share`` of the wall clock so far. How much work is left is unknown, and the time so far is its best guess: exploration is paid in
+        proportion, so a short job is not spent on trials a long one would amortise. In a job's tail (no rows left
+        to admit and fewer than ``TRIAL_ROUNDS`` rounds left) no trial starts: it could not use what it found."""
+        if self.rounds_left is not None and self.rounds_left < TRIAL_ROUNDS:
+            return False  # the job's tail: no room for a trial's window and for using what it finds
+        if self.share is None or arm == PLAIN:  # a PLAIN trial needs no calibration and no draft
+            return True
+        estimate = self.last_trial if self.last_trial is not None else SEED_ROUNDS * self.round_s
+        return self.spent + estimate <= self.share * self.elapsed
 
     def _decide(self, rate: float) -> None:
         other = SPEC if self.incumbent == PLAIN else PLAIN
         if self.arm == self.incumbent:
             self.baseline = rate
             self.wait -= 1
-            if self.wait <= 0:
-                self.arm, self.trial = other, 0
+            if self.wait <= 0 and self.affordable(other):
+                self.arm, self.trial, self.trial_spent = other, 0, 0.0
             return
         self.trial += 1
         if self.arm == SPEC:
             self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or rate >= self.baseline
         if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
+            if self.arm == SPEC:
+                self.last_trial = self.trial_spent
             self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
         elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
             self.incumbent, self.baseline = self.arm, rate
@@ -550,7 +600,7 @@ class Auto:
 
     def __init__(self, max_k: int):
         self.k = max_k
-        self.arms = Arms()
+        self.arms = Arms(TRIAL_SHARE)
         self.spec = Goodput(max_k)
         self.owed_s = 0.0  # draft prefills PLAIN windows did for SPEC, charged to SPEC's next round
 
@@ -590,4 +640,4 @@ class Auto:
             self.owed_s += report.draft_prefill_s
         else:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
-        return self.arms.record(report.tokens, seconds)
+        return self.arms.record(report.tokens, seconds, report.rounds_left)

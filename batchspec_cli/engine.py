@@ -242,6 +242,9 @@ class Engine:
             if chunk:
                 yield from self._admit(chunk, free)
                 free = [s for s in free if s not in self.pool.live]
+        if not self.exhausted and self.held_back is None:  # whether rows are left to come (the policy's horizon)
+            self.held_back = next(stream, None)
+            self.exhausted = self.held_back is None
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
@@ -442,7 +445,7 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s,
+            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, rounds_left=self._rounds_left(),
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended, self.draft_prefill_s = ended, 0.0
         window = self.policy.observe(report)
@@ -458,6 +461,14 @@ class Engine:
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
         yield from results
+
+    def _rounds_left(self) -> int | None:
+        """With no rows left to admit, the most tokens a row in flight may still commit (the rounds the job has
+        at most); None while more rows are to come."""
+        if not self.exhausted or self.held_back is not None:
+            return None
+        state = self.state
+        return max((self._limit(state.rows[s]) - len(state.ids[s]) for s in self.pool.live), default=0)
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""

@@ -33,9 +33,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 from batchspec_cli import align, grouping, models, pool  # noqa: E402
+from batchspec_cli.align import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
 from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.plan import use_kernels  # noqa: E402
 
 TIMED = [(align.SlotCache, "_resize"), (align.SlotCache, "_allocate"), (pool, "realign"),
          (grouping.Pool, "select"), (grouping.StaticBatch, "select"), (grouping.Pool, "plan"),
@@ -127,12 +129,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--window-factor", type=float, default=None,
                         help="pool0's window in batches (default: the engine's)")
+    parser.add_argument("--kernels", choices=["auto", "stock", "packed"], default="auto",
+                        help="the CLI's --kernels (auto: oneDNN-prepacked linears on a CPU)")
     parser.add_argument("--runs", nargs="+", default=["ar", "pool0"],
                         help=f"ar, pool0 and pool0[variant] with variants {', '.join(VARIANTS)} (run forward, then "
                              "backward)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tgt = models.load_model(None, "auto", "auto", quiet=True)
+    kernels_run, _ = use_kernels(args.kernels, tgt, None)
+    use_folded_sdpa(tgt.model)  # as the engine runs it
+    print("kernels:", kernels_run, flush=True)
     target = ModelHandle(tgt.model, models.cache_kwarg(tgt.model))
     eos = models.eos_ids(tgt.model, tgt.tokenizer)
     prompt_ids = [render_prompt(tgt.tokenizer, p, True, None) for p in spec_bench_prompts(SPEC_BENCH, args.prompts)]

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
-from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto,
-                                   Group, Offer, Window)
+from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SEED_ROUNDS, SPEC, SUB_WINDOWS, TRIAL_ROUNDS,
+                                   TRIAL_SHARE, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto, Group, Offer, Window)
 
 ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
 
 
-def drive(rates: dict[str, float], windows: int, stall: int | None = None, arms: Arms | None = None) -> list[str]:
+def drive(rates: dict[str, float], windows: int, stall: int | None = None, arms: Arms | None = None,
+          first_s: float = ROUND_S) -> list[str]:
     """Run ``windows`` windows of rounds of ``ROUND_S`` seconds whose arm commits ``rates[arm]`` tokens per second;
-    round number ``stall`` takes 10x as long for the same tokens. Returns the arm of every window."""
-    arms, ran, n = arms or Arms(), [], 0
+    round number ``stall`` takes 10x as long for the same tokens, the first round ``first_s`` (a prefill before it).
+    Returns the arm of every window. By default the arms have no trial budget (tested on its own below)."""
+    arms, ran, n = arms or Arms(share=None), [], 0
     while len(ran) < windows:
         arm = arms.arm
-        seconds = ROUND_S * (10 if n == stall else 1)
+        seconds = ROUND_S * (10 if n == stall else 1) if n else first_s
         if arms.record(rates[arm] * ROUND_S, seconds) is not None:
             ran.append(arm)
         n += 1
@@ -67,7 +70,7 @@ def test_one_10x_stall_in_a_window_does_not_flip_the_choice(rates):
 
 def rounds_per_trial(rates: dict[str, float], windows: int, stall: int | None = None) -> list[int]:
     """The rounds every SPEC trial ran, PLAIN the incumbent throughout."""
-    arms, counts, previous = Arms(), [], PLAIN
+    arms, counts, previous = Arms(share=None), [], PLAIN
     for n in itertools.count():
         if len(arms.windows) >= windows:
             return counts
@@ -88,7 +91,7 @@ def test_a_trial_clearly_behind_ends_at_half_a_window():
 
 
 def test_one_lucky_challenger_window_is_not_a_switch():
-    arms = Arms()
+    arms = Arms(share=None)
     for arm, rate in [(PLAIN, 100.0), (SPEC, 110.0), (SPEC, 101.0)]:  # a win, then not: plain resumes
         assert arms.arm == arm
         for _ in range(WINDOW_ROUNDS):
@@ -100,6 +103,56 @@ def test_close_arms_do_not_switch():
     """A challenger less than 3 % faster never takes over."""
     ran = drive({PLAIN: 100.0, SPEC: 102.0}, 30)
     assert all(length <= 2 for _, length in trials(ran, SPEC)) and ran[-1] == PLAIN
+
+
+def test_a_job_too_short_to_amortise_a_calibration_trials_nothing_until_it_has_run_long_enough():
+    """The first trial waits until SEED_ROUNDS PLAIN rounds are TRIAL_SHARE of the wall clock so far; a SPEC that
+    wins is still found and kept."""
+    window_s = WINDOW_ROUNDS * ROUND_S
+    first = math.ceil(SEED_ROUNDS * ROUND_S / TRIAL_SHARE / window_s)  # windows closed before the first trial
+    ran = drive({PLAIN: 100.0, SPEC: 120.0}, first + 10, arms=Arms(TRIAL_SHARE))
+    assert ran[:first] == [PLAIN] * first and ran[first] == SPEC and ran[-1] == SPEC
+    assert drive({PLAIN: 100.0, SPEC: 120.0}, 5, arms=Arms(TRIAL_SHARE)) == [PLAIN] * 5  # a short job: no trial
+
+
+def test_cheap_trials_in_a_long_job_keep_the_doubling_schedule():
+    """After a long prefill the budget does not bind: the same windows as with no budget."""
+    rates = {PLAIN: 100.0, SPEC: 90.0}
+    assert drive(rates, 60, arms=Arms(TRIAL_SHARE), first_s=500.0) == drive(rates, 60, first_s=500.0)
+
+
+def test_losing_trials_cost_at_most_the_share_of_the_wall_clock():
+    """Trials clearly behind (a tenth of PLAIN's rate) are cut at half a window: each costs that half window less
+    the tokens' time at PLAIN's rate. Whenever one has run, their sum is within TRIAL_SHARE of the time run so far;
+    the unbudgeted arms, on the doubling schedule alone, overspend."""
+    rates = {PLAIN: 100.0, SPEC: 10.0}
+    half = max(round(CUT_AT * WINDOW_ROUNDS), 1)
+    per_trial = half * ROUND_S - rates[SPEC] * half * ROUND_S / rates[PLAIN]
+
+    def overspent(ran: list[str]) -> bool:
+        elapsed, spent = 0.0, 0.0
+        for arm in ran:
+            elapsed += (half if arm == SPEC else WINDOW_ROUNDS) * ROUND_S
+            spent += per_trial if arm == SPEC else 0.0
+            if spent > TRIAL_SHARE * elapsed:
+                return True
+        return False
+
+    budgeted, free = drive(rates, 200, arms=Arms(TRIAL_SHARE)), drive(rates, 200)
+    for ran in (budgeted, free):
+        assert ran.count(SPEC) == len(trials(ran, SPEC)) >= 4  # one window each (cut), and re-tested
+    assert not overspent(budgeted) and overspent(free)
+
+
+@pytest.mark.parametrize("incumbent", [PLAIN, SPEC])
+def test_no_trial_starts_in_a_jobs_tail(incumbent):
+    """With no rows left to admit and fewer rounds left than a trial needs, the incumbent runs to the end."""
+    for left, tried in [(TRIAL_ROUNDS - 1, False), (TRIAL_ROUNDS, True), (None, True)]:
+        arms = Arms(share=None)
+        arms.incumbent = arms.arm = incumbent
+        for _ in range(WINDOW_ROUNDS):
+            arms.record(100.0 * ROUND_S, ROUND_S, left)
+        assert (arms.arm != incumbent) == tried, left
 
 
 def test_a_window_needs_both_its_rounds_and_its_seconds_and_every_round_counts():

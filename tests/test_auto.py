@@ -121,7 +121,7 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     """A PLAIN round's wall clock loses the draft prefills made before it; SPEC's next round carries them."""
     auto = Auto(5)
     seen = []
-    auto.arms.record = lambda tokens, seconds: seen.append(seconds)
+    auto.arms.record = lambda tokens, seconds, rounds_left=None: seen.append(seconds)
     plain = dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.05)
     auto.observe(plain)
     auto.observe(plain)
@@ -265,6 +265,18 @@ def test_costs_are_kept_per_context_length():
     assert timings.get(8, 5000, ("", 0)) == pytest.approx(0.3) and timings.get(8, 10, ("", 0)) == pytest.approx(0.1)
 
 
+def test_an_unmeasured_band_keeps_the_ratio_to_a_plain_step_not_the_seconds():
+    """A verify measured at a short context, and plain steps at a short and a long one: at the long context the
+    verify costs what it cost per plain step (at a short context its seconds flattered it 3x)."""
+    timings = Timings()
+    timings.observe(8, 100, ("", 0), 0.1)
+    timings.observe(8, 100, ("lookup", 3), 0.15)
+    timings.observe(8, 1000, ("", 0), 0.3)
+    assert timings.get(8, 1000, ("lookup", 3)) == pytest.approx(0.45)
+    assert timings.get(8, 100, ("lookup", 3)) == pytest.approx(0.15)
+    assert timings.get(8, 5000, ("lookup", 3)) == pytest.approx(0.45)  # plain unmeasured there too: the nearest
+
+
 def test_timings_interpolate_over_group_sizes():
     timings = Timings()
     timings.observe(4, CONTEXT, ("", 0), 0.1)
@@ -363,7 +375,7 @@ class ScheduledArms(Arms):
         super().__init__()
         self.rng, self.left = random.Random(seed), 0
 
-    def record(self, tokens, seconds):
+    def record(self, tokens, seconds, rounds_left=None):
         self.left -= 1
         if self.left > 0:
             return None
@@ -414,6 +426,7 @@ def test_auto_equals_ar_and_records_its_arms_and_windows(target, draft, prompts,
     records its arm, the rounds that closed a window its measured rate; SPEC's rounds are modelled."""
     monkeypatch.setattr(control, "WINDOW_ROUNDS", 3)
     monkeypatch.setattr(control, "WINDOW_SECONDS", 0.0)
+    monkeypatch.setattr(control, "TRIAL_SHARE", None)  # no trial budget: a small job must reach SPEC
     references = [greedy_reference(target, p, MAX_NEW, [1]) for p in prompts]
     results, stats = run(target, draft, prompts, mode="auto", k=4, batch_size=4)
     assert [results[i].token_ids for i in range(len(prompts))] == references
