@@ -23,9 +23,11 @@ in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
 loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
 once half its window has run) ends there, so a losing trial costs half a window. SPEC
-trials are also paid from a budget (``Arms.affordable``): what they cost beyond PLAIN's
-rate, the next one's estimate included, stays within ``TRIAL_SHARE`` of the job's wall
-clock so far, so a job too short to amortise a calibration never pays for one.
+first trial also has to be worth its price (``Arms.affordable``): when the engine knows how
+much work the job has left, it starts only if its estimated cost (its calibration) is at most
+``TRIAL_SHARE`` of the time that work takes at PLAIN's rate, so a job too short to amortise a
+calibration never pays for one; and no trial starts in a job's tail (fewer than
+``TRIAL_ROUNDS`` rounds left).
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -86,8 +88,8 @@ FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles 
 CUT_AT = 0.5  # a challenger's window that has this share of its rounds and seconds ...
 CUT_BELOW = 0.8  # ... and measures under this share of the incumbent's rate ends there: a clear loss
 TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
-TRIAL_SHARE = 0.03  # SPEC trials may cost PLAIN's throughput at most this share of the job's wall clock so far
-SEED_ROUNDS = 5.0  # a first trial's estimated cost, in PLAIN rounds (the calibration measured 3-6 on a CPU)
+TRIAL_SHARE = 0.03  # the first SPEC trial may cost at most this share of the time the job's known work has left
+TRIAL_PRICE = 5.0  # its estimated cost in PLAIN rounds (the calibration it pays measured 3.3-5.6 on a CPU)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -159,7 +161,7 @@ class RoundReport:
     prepare_s: float  # bringing the group into one rectangle before the round
     elapsed_s: float  # wall clock since the previous round ended (everything in between counts)
     draft_prefill_s: float = 0.0  # of elapsed_s: draft prefills at admission (made for SPEC, charged to SPEC)
-    rounds_left: int | None = None  # no rows left to admit: the most rounds the job has left; None: rows to come
+    tokens_left: int | None = None  # the most tokens the job has left (rows in flight and to come); None: unknown
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -343,20 +345,16 @@ class Arms:
         self.window = Window(PLAIN)
         self.windows: list[tuple[str, float]] = []  # (arm, measured rate) of every closed window
         self.spec_hopeful = False  # a window of SPEC's latest trial measured at least the incumbent PLAIN's rate
-        # The trial budget (``affordable``); share None: none, trials start when their wait is over.
+        # A trial's price (``affordable``); share None: trials start whenever their wait is over.
         self.share = share
-        self.elapsed = 0.0  # seconds of every round recorded: the job's wall clock so far
-        self.spent = 0.0  # seconds SPEC trials took beyond what PLAIN's rate would have taken for their tokens
-        self.trial_spent = 0.0  # of which the current trial's
-        self.last_trial: float | None = None  # what the latest finished SPEC trial cost (None: none ran yet)
         self.round_s = 0.0  # the median round of the incumbent's latest window (an admission's prefill is no round)
-        self.rounds_left: int | None = None  # the rounds the job has left at most, once no rows are to come
+        self.tokens_left: int | None = None  # the most tokens the job has left (None: unknown)
+        self.tried = False  # whether a SPEC trial has started (the first one pays the calibration)
 
-    def record(self, tokens: int, seconds: float, rounds_left: int | None = None) -> float | None:
-        """One round of the running arm; returns the window's rate when this round closes it. ``rounds_left``: the
-        most rounds the job has left, once no rows are left to admit (None: rows to come)."""
-        self.elapsed += seconds
-        self.rounds_left = rounds_left
+    def record(self, tokens: int, seconds: float, tokens_left: int | None = None) -> float | None:
+        """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
+        most tokens the job has left after it, rows in flight and rows to come (None: unknown)."""
+        self.tokens_left = tokens_left
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
         full = self.window.full()
@@ -366,28 +364,25 @@ class Arms:
         if not full and rate >= CUT_BELOW * self.baseline:  # a trial clearly behind ends at CUT_AT: a clear loss
             return None
         self.windows.append((self.arm, rate))
-        if self.arm == SPEC and self.incumbent == PLAIN:
-            cost = max(0.0, sum(self.window.seconds) - sum(self.window.tokens) / self.baseline)
-            self.spent += cost
-            self.trial_spent += cost
-        elif self.arm == self.incumbent:
+        if self.arm == self.incumbent:
             self.round_s = statistics.median(self.window.seconds)
         self._decide(rate)
         self.window = Window(self.arm)
         return rate
 
     def affordable(self, arm: str = SPEC) -> bool:
-        """Whether a trial of ``arm`` may start now. A SPEC trial: when the trials so far and this one's estimated
-        cost (the latest trial's, or ``SEED_ROUNDS`` PLAIN rounds for the first, which calibrates) stay within
-        ``share`` of the wall clock so far. How much work is left is unknown, and the time so far is its best guess: exploration is paid in
-        proportion, so a short job is not spent on trials a long one would amortise. In a job's tail (no rows left
-        to admit and fewer than ``TRIAL_ROUNDS`` rounds left) no trial starts: it could not use what it found."""
-        if self.rounds_left is not None and self.rounds_left < TRIAL_ROUNDS:
-            return False  # the job's tail: no room for a trial's window and for using what it finds
-        if self.share is None or arm == PLAIN:  # a PLAIN trial needs no calibration and no draft
+        """Whether a trial of ``arm`` may start now, when the job's work left is known (else always). None in the
+        job's tail: fewer than ``TRIAL_ROUNDS`` PLAIN rounds of work left, no room to use what a trial finds. The
+        first SPEC trial, which calibrates, only if its price (``TRIAL_PRICE`` PLAIN rounds) is at most ``share``
+        of the time the work left takes at PLAIN's rate: it can only pay back in the work after it, so a short job
+        is not spent on a calibration a long one would amortise. Later trials pay no calibration and keep the
+        doubling schedule."""
+        if self.share is None or self.tokens_left is None or self.baseline <= 0 or self.round_s <= 0:
             return True
-        estimate = self.last_trial if self.last_trial is not None else SEED_ROUNDS * self.round_s
-        return self.spent + estimate <= self.share * self.elapsed
+        time_left = self.tokens_left / self.baseline
+        if time_left < TRIAL_ROUNDS * self.round_s:
+            return False
+        return arm == PLAIN or self.tried or TRIAL_PRICE * self.round_s <= self.share * time_left
 
     def _decide(self, rate: float) -> None:
         other = SPEC if self.incumbent == PLAIN else PLAIN
@@ -395,14 +390,13 @@ class Arms:
             self.baseline = rate
             self.wait -= 1
             if self.wait <= 0 and self.affordable(other):
-                self.arm, self.trial, self.trial_spent = other, 0, 0.0
+                self.arm, self.trial = other, 0
+                self.tried = self.tried or other == SPEC
             return
         self.trial += 1
         if self.arm == SPEC:
             self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or rate >= self.baseline
         if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
-            if self.arm == SPEC:
-                self.last_trial = self.trial_spent
             self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
         elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
             self.incumbent, self.baseline = self.arm, rate
@@ -640,4 +634,4 @@ class Auto:
             self.owed_s += report.draft_prefill_s
         else:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
-        return self.arms.record(report.tokens, seconds, report.rounds_left)
+        return self.arms.record(report.tokens, seconds, report.tokens_left)

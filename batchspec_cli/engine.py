@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -163,7 +164,9 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
-        """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only."""
+        """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only.
+        Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
+        self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
         stream = iter(requests)
         self._reset()
         with folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)):
@@ -190,6 +193,8 @@ class Engine:
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.exhausted = False
+        self.pulled = 0  # requests read from the stream
+        self.limits_seen = self.rows_seen = 0  # the admitted rows' token limits, summed, and their count
         self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
         self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
@@ -227,7 +232,7 @@ class Engine:
         while free and not self.exhausted:
             chunk = []
             while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.held_back = self.held_back or next(stream, None), None
+                req, self.held_back = self.held_back or self._pull(stream), None
                 if req is None:
                     self.exhausted = True
                     break
@@ -243,7 +248,7 @@ class Engine:
                 yield from self._admit(chunk, free)
                 free = [s for s in free if s not in self.pool.live]
         if not self.exhausted and self.held_back is None:  # whether rows are left to come (the policy's horizon)
-            self.held_back = next(stream, None)
+            self.held_back = self._pull(stream)
             self.exhausted = self.held_back is None
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
@@ -260,6 +265,7 @@ class Engine:
             for req in chunk:
                 yield self._error_row(req, "out of memory: no room for this row's KV cache")
             return
+        self.limits_seen, self.rows_seen = self.limits_seen + sum(limits), self.rows_seen + len(limits)
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
         self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         self.logprobs.admit(chunk)
@@ -445,7 +451,7 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, rounds_left=self._rounds_left(),
+            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, tokens_left=self._tokens_left(),
             draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
         self.round_ended, self.draft_prefill_s = ended, 0.0
         window = self.policy.observe(report)
@@ -462,13 +468,22 @@ class Engine:
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
         yield from results
 
-    def _rounds_left(self) -> int | None:
-        """With no rows left to admit, the most tokens a row in flight may still commit (the rounds the job has
-        at most); None while more rows are to come."""
-        if not self.exhausted or self.held_back is not None:
-            return None
+    def _pull(self, stream: Iterator[Request]) -> Request | None:
+        req = next(stream, None)
+        self.pulled += req is not None
+        return req
+
+    def _tokens_left(self) -> int | None:
+        """The most tokens the job has left: the rows in flight's limits, and rows to come at the mean limit of
+        the rows admitted so far (the run's requests have a length, or the stream has ended); None when unknown."""
         state = self.state
-        return max((self._limit(state.rows[s]) - len(state.ids[s]) for s in self.pool.live), default=0)
+        left = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in self.pool.live)
+        if self.exhausted and self.held_back is None:
+            return left
+        if self.total is None:
+            return None
+        to_come = max(0, self.total - self.pulled) + (self.held_back is not None)
+        return left + to_come * self.limits_seen // max(1, self.rows_seen)
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""

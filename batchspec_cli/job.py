@@ -52,6 +52,20 @@ __all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "Ste
            "metadata", "work_dir_for"]
 
 
+class Counted:
+    """An iterable of requests that knows how many it holds at most (the rows left to generate), so the engine's
+    policy can weigh a trial against the work ahead."""
+
+    def __init__(self, requests: Iterable[Request], count: int):
+        self.requests, self.count = requests, count
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return self.count
+
+
 @dataclass
 class Started:
     """First event: what will run."""
@@ -261,7 +275,7 @@ class Generation:
         yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=list(plan.notes),
                       resumed_rows=plan.resumed_rows, work_dir=str(self.work.path))
         yield from plan.announce  # prompt errors: already recorded and saved
-        stream = (run or self.engine().run)(self.requests())
+        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - len(self.results)))
         try:
             for event in stream:
                 if isinstance(event, StepStats):

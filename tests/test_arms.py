@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 
-from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SEED_ROUNDS, SPEC, SUB_WINDOWS, TRIAL_ROUNDS,
+from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, TRIAL_PRICE, TRIAL_ROUNDS,
                                    TRIAL_SHARE, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto, Group, Offer, Window)
 
 ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
 
 
-def drive(rates: dict[str, float], windows: int, stall: int | None = None, arms: Arms | None = None,
-          first_s: float = ROUND_S) -> list[str]:
+def drive(rates: dict[str, float], windows: int, stall: int | None = None, arms: Arms | None = None) -> list[str]:
     """Run ``windows`` windows of rounds of ``ROUND_S`` seconds whose arm commits ``rates[arm]`` tokens per second;
-    round number ``stall`` takes 10x as long for the same tokens, the first round ``first_s`` (a prefill before it).
-    Returns the arm of every window. By default the arms have no trial budget (tested on its own below)."""
-    arms, ran, n = arms or Arms(share=None), [], 0
+    round number ``stall`` takes 10x as long for the same tokens. Returns the arm of every window. The work left is
+    not told (unknown): no trial is priced (``drive_left`` below)."""
+    arms, ran, n = arms or Arms(), [], 0
     while len(ran) < windows:
         arm = arms.arm
-        seconds = ROUND_S * (10 if n == stall else 1) if n else first_s
+        seconds = ROUND_S * (10 if n == stall else 1)
         if arms.record(rates[arm] * ROUND_S, seconds) is not None:
             ran.append(arm)
         n += 1
@@ -70,7 +68,7 @@ def test_one_10x_stall_in_a_window_does_not_flip_the_choice(rates):
 
 def rounds_per_trial(rates: dict[str, float], windows: int, stall: int | None = None) -> list[int]:
     """The rounds every SPEC trial ran, PLAIN the incumbent throughout."""
-    arms, counts, previous = Arms(share=None), [], PLAIN
+    arms, counts, previous = Arms(), [], PLAIN
     for n in itertools.count():
         if len(arms.windows) >= windows:
             return counts
@@ -91,7 +89,7 @@ def test_a_trial_clearly_behind_ends_at_half_a_window():
 
 
 def test_one_lucky_challenger_window_is_not_a_switch():
-    arms = Arms(share=None)
+    arms = Arms()
     for arm, rate in [(PLAIN, 100.0), (SPEC, 110.0), (SPEC, 101.0)]:  # a win, then not: plain resumes
         assert arms.arm == arm
         for _ in range(WINDOW_ROUNDS):
@@ -105,50 +103,51 @@ def test_close_arms_do_not_switch():
     assert all(length <= 2 for _, length in trials(ran, SPEC)) and ran[-1] == PLAIN
 
 
-def test_a_job_too_short_to_amortise_a_calibration_trials_nothing_until_it_has_run_long_enough():
-    """The first trial waits until SEED_ROUNDS PLAIN rounds are TRIAL_SHARE of the wall clock so far; a SPEC that
-    wins is still found and kept."""
-    window_s = WINDOW_ROUNDS * ROUND_S
-    first = math.ceil(SEED_ROUNDS * ROUND_S / TRIAL_SHARE / window_s)  # windows closed before the first trial
-    ran = drive({PLAIN: 100.0, SPEC: 120.0}, first + 10, arms=Arms(TRIAL_SHARE))
-    assert ran[:first] == [PLAIN] * first and ran[first] == SPEC and ran[-1] == SPEC
-    assert drive({PLAIN: 100.0, SPEC: 120.0}, 5, arms=Arms(TRIAL_SHARE)) == [PLAIN] * 5  # a short job: no trial
+def drive_left(rates: dict[str, float], windows: int, tokens: float | None, arms: Arms) -> list[str]:
+    """``drive`` for a job with ``tokens`` tokens of work in all (None: unknown), told to the arms every round."""
+    ran, done = [], 0.0
+    while len(ran) < windows:
+        arm = arms.arm
+        done += rates[arm] * ROUND_S
+        if arms.record(rates[arm] * ROUND_S, ROUND_S, None if tokens is None else max(0, round(tokens - done))):
+            ran.append(arm)
+    return ran
 
 
-def test_cheap_trials_in_a_long_job_keep_the_doubling_schedule():
-    """After a long prefill the budget does not bind: the same windows as with no budget."""
+def test_a_trial_starts_only_when_the_work_left_can_pay_for_it():
+    """The first trial's price is TRIAL_PRICE PLAIN rounds (its calibration): it starts when that is at most TRIAL_SHARE of the time
+    the work left takes at PLAIN's rate. A short job never trials, a long one trials after its first window, one
+    whose work is unknown keeps the doubling schedule; a SPEC that wins is found and kept."""
+    rates = {PLAIN: 100.0, SPEC: 120.0}
+    price = TRIAL_PRICE * ROUND_S  # seconds
+    enough = price / TRIAL_SHARE * rates[PLAIN]  # tokens of work left at which the first trial is affordable
+    window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]  # tokens a PLAIN window commits
+    short = drive_left(rates, 6, 0.9 * enough + window, Arms(TRIAL_SHARE))
+    assert short == [PLAIN] * 6
+    long = drive_left(rates, 20, 1.1 * enough + window, Arms(TRIAL_SHARE))
+    assert long[:3] == [PLAIN, SPEC, SPEC] and long[-1] == SPEC
+    assert drive_left(rates, 20, None, Arms(TRIAL_SHARE)) == drive(rates, 20)
+
+
+def test_no_spec_trial_starts_in_a_jobs_tail():
+    """A job with work for many windows: SPEC (10 % slower) is tried, loses, and is re-tested on the doubling
+    schedule; in the tail (fewer than TRIAL_ROUNDS rounds of work left) no trial starts."""
     rates = {PLAIN: 100.0, SPEC: 90.0}
-    assert drive(rates, 60, arms=Arms(TRIAL_SHARE), first_s=500.0) == drive(rates, 60, first_s=500.0)
-
-
-def test_losing_trials_cost_at_most_the_share_of_the_wall_clock():
-    """Trials clearly behind (a tenth of PLAIN's rate) are cut at half a window: each costs that half window less
-    the tokens' time at PLAIN's rate. Whenever one has run, their sum is within TRIAL_SHARE of the time run so far;
-    the unbudgeted arms, on the doubling schedule alone, overspend."""
-    rates = {PLAIN: 100.0, SPEC: 10.0}
-    half = max(round(CUT_AT * WINDOW_ROUNDS), 1)
-    per_trial = half * ROUND_S - rates[SPEC] * half * ROUND_S / rates[PLAIN]
-
-    def overspent(ran: list[str]) -> bool:
-        elapsed, spent = 0.0, 0.0
-        for arm in ran:
-            elapsed += (half if arm == SPEC else WINDOW_ROUNDS) * ROUND_S
-            spent += per_trial if arm == SPEC else 0.0
-            if spent > TRIAL_SHARE * elapsed:
-                return True
-        return False
-
-    budgeted, free = drive(rates, 200, arms=Arms(TRIAL_SHARE)), drive(rates, 200)
-    for ran in (budgeted, free):
-        assert ran.count(SPEC) == len(trials(ran, SPEC)) >= 4  # one window each (cut), and re-tested
-    assert not overspent(budgeted) and overspent(free)
+    window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]
+    work = 33 * window  # the fourth re-test (after window 31) would fall in the tail
+    ran = drive_left(rates, 40, work, Arms(TRIAL_SHARE))
+    free = drive(rates, 40)
+    assert ran[:2] == [PLAIN, SPEC] and trials(ran, SPEC)[:2] == trials(free, SPEC)[:2]
+    last = trials(ran, SPEC)[-1][0]  # windows before the last trial
+    assert work - last * window >= TRIAL_ROUNDS * ROUND_S * rates[PLAIN]
+    assert len(trials(ran, SPEC)) < len(trials(free, SPEC))  # the tail's re-tests were not run
 
 
 @pytest.mark.parametrize("incumbent", [PLAIN, SPEC])
-def test_no_trial_starts_in_a_jobs_tail(incumbent):
-    """With no rows left to admit and fewer rounds left than a trial needs, the incumbent runs to the end."""
-    for left, tried in [(TRIAL_ROUNDS - 1, False), (TRIAL_ROUNDS, True), (None, True)]:
-        arms = Arms(share=None)
+def test_unknown_work_is_no_tail_and_the_tail_has_no_trial_of_either_arm(incumbent):
+    window = WINDOW_ROUNDS * ROUND_S * 100.0
+    for left, tried in [(0, False), (window, False), (None, True), (10 ** 9, True)]:
+        arms = Arms(TRIAL_SHARE)
         arms.incumbent = arms.arm = incumbent
         for _ in range(WINDOW_ROUNDS):
             arms.record(100.0 * ROUND_S, ROUND_S, left)

@@ -441,6 +441,39 @@ def test_auto_equals_ar_and_records_its_arms_and_windows(target, draft, prompts,
     assert len(closing) >= len(rounds) // 3 - 1 and {s.arm for s in closing} == {PLAIN, SPEC}
 
 
+@pytest.mark.parametrize("sized", [True, False])
+def test_the_engine_tells_auto_the_work_left(target, draft, prompts, sized):
+    """Rows run to their limits (no EOS): after every round the work left is every row's limit less what was
+    committed so far, in flight and to come; for requests without a length only once none are left to come."""
+    from batchspec_cli.engine import ModelHandle
+    from batchspec_cli.events import Request
+
+    seen = []
+
+    class Watching(Auto):
+        def observe(self, report):
+            seen.append((report.tokens, report.tokens_left))
+            return super().observe(report)
+
+    limits = [5 + i % 3 for i in range(len(prompts))]  # rows to come are counted at the mean limit in flight
+    reqs = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i], sampling=Sampling())
+            for i, p in enumerate(prompts)]
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [], EngineConfig(mode="auto", k=3,
+                    batch_size=4), policy=Watching(3))
+    list(engine.run(reqs if sized else iter(reqs)))
+    committed, total = 0, sum(limits)
+    exact = 0
+    for tokens, left in seen:
+        committed += tokens
+        if left is None:
+            assert not sized
+            continue
+        assert left >= 0 and abs(left - (total - committed)) <= 2 * len(prompts)  # mean limits: within 2 a row
+        exact += left == total - committed
+    assert seen[-1][1] == 0 and exact >= len(seen) // 4
+    assert sized == (seen[0][1] is not None)
+
+
 def test_auto_on_a_short_job_stays_plain_and_never_calibrates_or_prefills_the_draft(target, draft, prompts,
                                                                                      monkeypatch):
     calls = []
