@@ -4,8 +4,9 @@
 
 Per batch size: ar, auto (the default drafters: the shipped draft model + suffix) and
 ``auto-plain`` (auto whose arms never leave PLAIN: the pooled engine's cost without
-speculation) and, when asked, ``auto-spec`` (SPEC from the first round, never re-testing PLAIN) run forward then backward over the same Spec-Bench prompts; outputs must be
-identical. Reports each run's tokens/s over ar's (the mean of the two passes, and the spread:
+speculation) and, when asked, ``auto-spec`` (SPEC from the first round, never re-testing PLAIN) and
+``auto-anytime`` (auto whose SPEC trials ignore the work left: no trial price, no tail rule) run forward then
+backward over the same Spec-Bench prompts; outputs must be identical. Reports each run's tokens/s over ar's (the mean of the two passes, and the spread:
 the ratio of each pass to the ar pass next to it), the time each arm of auto ran and the
 rates its windows measured. One JSON line last.
 """
@@ -70,9 +71,10 @@ def run(target, draft, eos, reqs, name: str, batch: int, k: int, min_rows: int =
         finally:
             _use_packed(was_packed, min_rows, target, draft)
     policy = None
-    if name in ("auto-plain", "auto-spec"):
+    if name in ("auto-plain", "auto-spec", "auto-anytime"):
         policy = control.Auto(k)
-        policy.arms = PlainOnly() if name == "auto-plain" else SpecOnly()
+        policy.arms = {"auto-plain": PlainOnly, "auto-spec": SpecOnly,
+                       "auto-anytime": lambda: control.Arms(share=None)}[name]()
     engine = Engine(target, None if name == "ar" else draft, eos,
                     EngineConfig(mode="ar" if name == "ar" else "auto", k=k, batch_size=batch, window=4 * batch),
                     lookups=[] if name == "ar" else drafters.make(["suffix"]), policy=policy)
