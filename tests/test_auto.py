@@ -131,6 +131,32 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     assert seen == pytest.approx([0.15, 0.15, 0.3, 0.2])
 
 
+def test_spec_fills_the_pool_only_while_most_of_its_rounds_speculate():
+    """The pool beyond one batch serves rows speculation left at different lengths: SPEC holds it while most of
+    its recent rounds speculate; plain steps under SPEC close it within a window, speculating rounds reopen it;
+    PLAIN's rounds and a SPEC trial never fill it."""
+    auto = Auto(5)
+    auto.arms.record = lambda tokens, seconds, tokens_left=None: None
+    assert not auto.wants_pool()  # PLAIN holds
+    auto.arms.arm = SPEC
+    assert not auto.wants_pool()  # a SPEC trial runs on the batch in flight
+    auto.arms.incumbent = SPEC
+    assert auto.wants_pool()
+    open_for = []
+    for _ in range(WINDOW_ROUNDS):
+        auto.observe(report(8, "", 0, 0.2, arm=SPEC))
+        open_for.append(auto.wants_pool())
+    assert open_for[0] and not open_for[-1] and open_for == sorted(open_for, reverse=True)
+    auto.arms.arm = PLAIN
+    for _ in range(3 * WINDOW_ROUNDS):
+        auto.observe(report(8, "", 0, 0.2))
+    auto.arms.arm = SPEC
+    assert not auto.wants_pool(), "PLAIN's rounds say nothing of SPEC's"
+    for _ in range(WINDOW_ROUNDS):
+        auto.observe(report(8, "model", 3, 0.3, arm=SPEC))
+    assert auto.wants_pool()
+
+
 def test_policy_follows_each_row_and_the_drafts_it_has():
     policy = policy_with({w: 0.1 * (1 + 0.1 * (w - 1)) for w in range(1, 7)}, 0.0, 0.0, group=2)
     good, bad = ("suffix", 0), ("suffix", 1)

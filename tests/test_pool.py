@@ -138,6 +138,34 @@ class _SpecTrial(_PlainOnly):
         self.window = control.Window(control.SPEC)
 
 
+class _SpecWins(_SpecTrial):
+    """A SPEC trial that wins after ``after`` rounds: SPEC holds from then on."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.left = after
+
+    def record(self, tokens, seconds, tokens_left=None):
+        self.left -= 1
+        if self.left == 0:
+            self.incumbent = control.SPEC
+        return super().record(tokens, seconds, tokens_left)
+
+
+class _Speculating(control.Goodput):
+    """SPEC's ruler replaced by one that drafts k with the model every round."""
+
+    def choose(self, group, sources):
+        return control.Choice(self.k, "model") if "model" in sources else control.Choice(0)
+
+
+class _PlainSteps(control.Goodput):
+    """SPEC's ruler replaced by one that picks a plain step every round (speculation never pays)."""
+
+    def choose(self, group, sources):
+        return control.Choice(0)
+
+
 def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     """auto with a drafter keeps a window of 4 x batch for speculation to group, but while its PLAIN arm runs it
     admits one batch, as ar does: rows in step, no realignment of rows admitted apart, KV for one batch."""
@@ -162,10 +190,17 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
     assert all(s.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
     assert engine.pool.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
-    policy.arms.incumbent = control.SPEC
-    results, _ = run(engine, prompts, 12)
-    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
-    assert engine.pool.target.rows > 4, "SPEC as the incumbent fills the window"
+    # SPEC as the incumbent fills the window while its rounds speculate, and holds one batch while its ruler picks
+    # plain steps (the rows stay in step: extra rows would only grow the KV).
+    for spec, fills in ((_Speculating(3), True), (_PlainSteps(3), False)):
+        policy = control.Auto(3)
+        policy.arms, policy.spec = _SpecWins(after=8), spec
+        engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                        EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
+        results, stats = run(engine, prompts, 12)
+        assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+        assert all((s.k > 0) == fills for s in stats if s.group_kind != "prefill")
+        assert (engine.pool.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
     # A policy that speculates fills the window.
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
