@@ -2,13 +2,13 @@
 
     python benchmarks/auto_arms.py --prompts 16 --max-new-tokens 64 --batch-sizes 1 4 8 16 --threads 1
 
-Per batch size: ar, auto (the default drafters: the shipped draft model + suffix) and
-``auto-plain`` (auto whose arms never leave PLAIN: the pooled engine's cost without
-speculation) and, when asked, ``auto-spec`` (SPEC from the first round, never re-testing PLAIN) and
-``auto-anytime`` (auto whose SPEC trials ignore the work left: no trial price, no tail rule) run forward then
-backward over the same Spec-Bench prompts; outputs must be identical. Reports each run's tokens/s over ar's (the mean of the two passes, and the spread:
-the ratio of each pass to the ar pass next to it), the time each arm of auto ran and the
-rates its windows measured. One JSON line last.
+Per batch size: ar, auto (the default drafters: the shipped draft model + suffix) and ``auto-plain``
+(auto whose arms never leave PLAIN: the pooled engine's cost without speculation) and, when asked,
+``auto-spec`` (SPEC from the first round, never re-testing PLAIN) and ``auto-anytime`` (auto whose
+SPEC trials ignore the work left: no trial price, no tail rule) run forward then backward over the
+same Spec-Bench prompts; outputs must be identical. Reports each run's tokens/s over ar's (the mean
+of the two passes, and the spread: the ratio of each pass to the ar pass next to it), the time each
+arm of auto ran and the rates its windows measured. One JSON line last.
 """
 
 from __future__ import annotations
