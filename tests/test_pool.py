@@ -171,13 +171,14 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     admits one batch, as ar does: rows in step, no realignment of rows admitted apart, KV for one batch."""
     draft = perturbed_copy(target, scale=0.05, seed=1)
     prompts = prompts_of(14, seed=4, lo=4, hi=30)
+    references = [greedy_reference(target, p, 12, []) for p in prompts]  # per prompt, once
     policy = control.Auto(3)
     policy.arms = _PlainOnly()
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="auto", k=3, batch_size=4, window=16), lookups=drafters.make(["suffix"]),
                     policy=policy)
     results, stats = run(engine, prompts, 12)
-    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert [results[i].token_ids for i in range(14)] == references
     assert all(s.k == 0 for s in stats if s.group_kind != "prefill")
     assert engine.pool.target.rows <= 4, "slots beyond one batch were filled"
     assert engine.pool.draft is None or not engine.pool.draft.keys, "the draft never ran, so no draft KV"
@@ -187,7 +188,7 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
     results, stats = run(engine, prompts, 12)
-    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert [results[i].token_ids for i in range(14)] == references
     assert all(s.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
     assert engine.pool.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
     # SPEC as the incumbent fills the window while its rounds speculate, and holds one batch while its ruler picks
@@ -198,12 +199,12 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
         engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                         EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
         results, stats = run(engine, prompts, 12)
-        assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+        assert [results[i].token_ids for i in range(14)] == references
         assert all((s.k > 0) == fills for s in stats if s.group_kind != "prefill")
         assert (engine.pool.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
     # A policy that speculates fills the window.
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
     results, _ = run(engine, prompts, 12)
-    assert [results[i].token_ids for i in range(14)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert [results[i].token_ids for i in range(14)] == references
     assert engine.pool.target.rows > 4
