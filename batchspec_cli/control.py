@@ -22,12 +22,16 @@ in PLAIN, tries SPEC after one window, and switches only when two windows of the
 in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
 loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
-once half its window has run) ends there, so a losing trial costs half a window. SPEC
-first trial also has to be worth its price (``Arms.affordable``): when the engine knows how
-much work the job has left, it starts only if its estimated cost (its calibration) is at most
-``TRIAL_SHARE`` of the time that work takes at PLAIN's rate, so a job too short to amortise a
-calibration never pays for one; and no trial starts in a job's tail (fewer than
-``TRIAL_ROUNDS`` rounds left).
+once half its window has run) ends there, so a losing trial costs half a window. A trial
+also has to be worth its price (``Arms.affordable``) when the engine knows how much work the
+job has left: it starts only if its price is at most ``TRIAL_SHARE`` of the time that work
+takes at the incumbent's rate. A first SPEC trial is priced at its calibration
+(``TRIAL_PRICE`` rounds); a later trial of an arm at what the arm's last lost trial measurably
+cost (its rounds' seconds beyond what the incumbent would have taken for their tokens, its
+catch-ups and calibration included). So a job too short to amortise a calibration never pays
+for one, and an arm that lost dearly is re-tested only in work long enough to repay it. No
+trial of either arm starts without room for a whole trial and as much work again after it
+(``TRIAL_ROOM`` windows): a win can only pay back in the work after it.
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -92,8 +96,9 @@ FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles 
 CUT_AT = 0.5  # a challenger's window that has this share of its rounds and seconds ...
 CUT_BELOW = 0.8  # ... and measures under this share of the incumbent's rate ends there: a clear loss
 TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
-TRIAL_SHARE = 0.03  # the first SPEC trial may cost at most this share of the time the job's known work has left
-TRIAL_PRICE = 5.0  # its estimated cost in PLAIN rounds (the calibration it pays measured 3.3-5.6 on a CPU)
+TRIAL_SHARE = 0.03  # a trial may cost at most this share of the time the job's known work has left ...
+TRIAL_PRICE = 5.0  # ... a first SPEC trial, in PLAIN rounds (the calibration it pays measured 3.3-5.6 on a CPU)
+TRIAL_ROOM = 4  # windows of work a trial needs left: its two windows, and as many after them to pay back
 POOL_DRAFTING = 0.5  # SPEC fills the whole pool while at least this share of its recent rounds speculate ...
 DRAFTING_EMA = 0.1  # ... a moving average over SPEC's rounds (about a window's worth)
 
@@ -337,8 +342,8 @@ class Arms:
     or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
     twice as long as last time before the next trial. A challenger's window ends at half its
     length (``CUT_AT``) when it measures under ``CUT_BELOW`` of the incumbent's rate so far
-    (the same median of slices): a clear loss. A SPEC trial whose wait is over starts only
-    when it is ``affordable``; until then PLAIN runs on, window after window.
+    (the same median of slices): a clear loss. A trial whose wait is over starts only when it
+    is ``affordable``; until then the incumbent runs on, window after window.
     """
 
     def __init__(self, share: float | None = TRIAL_SHARE):
@@ -355,7 +360,8 @@ class Arms:
         self.share = share
         self.round_s = 0.0  # the median round of the incumbent's latest window (an admission's prefill is no round)
         self.tokens_left: int | None = None  # the most tokens the job has left (None: unknown)
-        self.tried = False  # whether a SPEC trial has started (the first one pays the calibration)
+        self.spent = [0, 0.0]  # the current trial's tokens and seconds, all its windows
+        self.price: dict[str, float] = {}  # per arm: what its last lost trial cost, in seconds (``affordable``)
 
     def record(self, tokens: int, seconds: float, tokens_left: int | None = None) -> float | None:
         """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
@@ -363,6 +369,9 @@ class Arms:
         self.tokens_left = tokens_left
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
+        if self.arm != self.incumbent:
+            self.spent[0] += tokens
+            self.spent[1] += seconds
         full = self.window.full()
         if not full and (self.arm == self.incumbent or not self.window.full(CUT_AT)):
             return None
@@ -376,19 +385,19 @@ class Arms:
         self.window = Window(self.arm)
         return rate
 
-    def affordable(self, arm: str = SPEC) -> bool:
-        """Whether a trial of ``arm`` may start now, when the job's work left is known (else always). None in the
-        job's tail: fewer than ``TRIAL_ROUNDS`` PLAIN rounds of work left, no room to use what a trial finds. The
-        first SPEC trial, which calibrates, only if its price (``TRIAL_PRICE`` PLAIN rounds) is at most ``share``
-        of the time the work left takes at PLAIN's rate: it can only pay back in the work after it, so a short job
-        is not spent on a calibration a long one would amortise. Later trials pay no calibration and keep the
-        doubling schedule."""
+    def affordable(self, arm: str) -> bool:
+        """Whether a trial of ``arm`` may start now, when the job's work left is known (else always). Not without
+        room for it: ``TRIAL_ROOM`` windows of work (a trial's two windows, and as much again to pay back in). And
+        only if its price is at most ``share`` of the time the work left takes at the incumbent's rate: what the
+        arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds;
+        a first PLAIN trial prepares nothing). A short job is not spent on a trial a long one would amortise."""
         if self.share is None or self.tokens_left is None or self.baseline <= 0 or self.round_s <= 0:
             return True
         time_left = self.tokens_left / self.baseline
-        if time_left < TRIAL_ROUNDS * self.round_s:
+        if time_left < TRIAL_ROOM * max(WINDOW_SECONDS, WINDOW_ROUNDS * self.round_s):
             return False
-        return arm == PLAIN or self.tried or TRIAL_PRICE * self.round_s <= self.share * time_left
+        price = self.price.get(arm, TRIAL_PRICE * self.round_s if arm == SPEC else 0.0)
+        return price <= self.share * time_left
 
     def _decide(self, rate: float) -> None:
         other = SPEC if self.incumbent == PLAIN else PLAIN
@@ -396,13 +405,14 @@ class Arms:
             self.baseline = rate
             self.wait -= 1
             if self.wait <= 0 and self.affordable(other):
-                self.arm, self.trial = other, 0
-                self.tried = self.tried or other == SPEC
+                self.arm, self.trial, self.spent = other, 0, [0, 0.0]
             return
         self.trial += 1
         if self.arm == SPEC:
             self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or rate >= self.baseline
         if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
+            tokens, seconds = self.spent  # the loss: seconds beyond what the incumbent takes for the trial's tokens
+            self.price[self.arm] = max(0.0, seconds - tokens / self.baseline)
             self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
         elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
             self.incumbent, self.baseline = self.arm, rate

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, TRIAL_PRICE, TRIAL_ROUNDS,
+from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, TRIAL_PRICE, TRIAL_ROOM,
                                    TRIAL_SHARE, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto, Group, Offer, Window)
 
 ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
@@ -103,13 +103,20 @@ def test_close_arms_do_not_switch():
     assert all(length <= 2 for _, length in trials(ran, SPEC)) and ran[-1] == PLAIN
 
 
-def drive_left(rates: dict[str, float], windows: int, tokens: float | None, arms: Arms) -> list[str]:
-    """``drive`` for a job with ``tokens`` tokens of work in all (None: unknown), told to the arms every round."""
-    ran, done = [], 0.0
+def drive_left(rates: dict[str, float], windows: int, tokens: float | None, arms: Arms,
+               dear: float = 0.0, starts: list[float] | None = None) -> list[str]:
+    """``drive`` for a job with ``tokens`` tokens of work in all (None: unknown), told to the arms every round. The
+    first round of every trial takes ``dear`` seconds more (a catch-up, a calibration); ``starts`` gets the tokens
+    left when each trial starts."""
+    ran, done, previous = [], 0.0, arms.incumbent
     while len(ran) < windows:
         arm = arms.arm
+        seconds = ROUND_S + (dear if arm != arms.incumbent and previous == arms.incumbent else 0.0)
+        if arm != arms.incumbent and previous == arms.incumbent and starts is not None:
+            starts.append(tokens - done)
+        previous = arm
         done += rates[arm] * ROUND_S
-        if arms.record(rates[arm] * ROUND_S, ROUND_S, None if tokens is None else max(0, round(tokens - done))):
+        if arms.record(rates[arm] * ROUND_S, seconds, None if tokens is None else max(0, round(tokens - done))):
             ran.append(arm)
     return ran
 
@@ -131,16 +138,38 @@ def test_a_trial_starts_only_when_the_work_left_can_pay_for_it():
 
 def test_no_spec_trial_starts_in_a_jobs_tail():
     """A job with work for many windows: SPEC (10 % slower) is tried, loses, and is re-tested on the doubling
-    schedule; in the tail (fewer than TRIAL_ROUNDS rounds of work left) no trial starts."""
+    schedule; without room for a whole trial and its payback (TRIAL_ROOM windows of work) no trial starts, however
+    cheap (a share of 1: the price never binds here)."""
     rates = {PLAIN: 100.0, SPEC: 90.0}
     window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]
-    work = 33 * window  # the fourth re-test (after window 31) would fall in the tail
-    ran = drive_left(rates, 40, work, Arms(TRIAL_SHARE))
+    work = 35 * window  # the fourth re-test (after window 31) would fall in the tail: 3 windows of work left
+    starts: list[float] = []
+    ran = drive_left(rates, 40, work, Arms(1.0), starts=starts)
     free = drive(rates, 40)
     assert ran[:2] == [PLAIN, SPEC] and trials(ran, SPEC)[:2] == trials(free, SPEC)[:2]
-    last = trials(ran, SPEC)[-1][0]  # windows before the last trial
-    assert work - last * window >= TRIAL_ROUNDS * ROUND_S * rates[PLAIN]
+    assert min(starts) >= TRIAL_ROOM * window
     assert len(trials(ran, SPEC)) < len(trials(free, SPEC))  # the tail's re-tests were not run
+
+
+def test_a_retest_is_priced_at_what_the_last_lost_trial_cost():
+    """A SPEC trial whose first round pays 4 s more (a long catch-up) and loses costs the arms those seconds and its
+    rounds' loss against PLAIN's rate; the next trial of SPEC starts only when that is at most TRIAL_SHARE of the
+    time the work left takes. A cheap loser is re-tested in the same job on the doubling schedule."""
+    rates, dear = {PLAIN: 100.0, SPEC: 90.0}, 4.0
+    window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]
+    # the trial: one window (10 rounds, 90 % of PLAIN's tokens), 4 s more in its first round
+    loss = dear + WINDOW_ROUNDS * ROUND_S * (1 - rates[SPEC] / rates[PLAIN])
+    arms = Arms(TRIAL_SHARE)
+    starts: list[float] = []
+    work = 60 * window
+    ran = drive_left(rates, 20, work, arms, dear=dear, starts=starts)
+    assert ran[:2] == [PLAIN, SPEC]
+    assert arms.price[SPEC] == pytest.approx(loss)
+    assert all(left / rates[PLAIN] * TRIAL_SHARE >= loss for left in starts[1:])
+    cheap = drive_left(rates, 20, work, Arms(TRIAL_SHARE))
+    assert len(trials(ran, SPEC)) < len(trials(cheap, SPEC)) == len(trials(drive(rates, 20), SPEC))
+    # a job long enough to repay the loss re-tests the dear loser on the same schedule as the cheap one
+    assert trials(drive_left(rates, 20, 1000 * window, Arms(TRIAL_SHARE), dear=dear), SPEC) == trials(cheap, SPEC)
 
 
 @pytest.mark.parametrize("incumbent", [PLAIN, SPEC])
