@@ -27,11 +27,12 @@ also has to be worth its price (``Arms.affordable``) when the engine knows how m
 job has left: it starts only if its price is at most ``TRIAL_SHARE`` of the time that work
 takes at the incumbent's rate. A first SPEC trial is priced at its calibration
 (``TRIAL_PRICE`` rounds); a later trial of an arm at what the arm's last lost trial measurably
-cost (its rounds' seconds beyond what the incumbent would have taken for their tokens, its
-catch-ups and calibration included). So a job too short to amortise a calibration never pays
-for one, and an arm that lost dearly is re-tested only in work long enough to repay it. No
-trial of either arm starts without room for a whole trial and as much work again after it
-(``TRIAL_ROOM`` windows): a win can only pay back in the work after it.
+cost: its rounds' seconds beyond what the incumbent would have taken for their tokens, its
+catch-ups and calibration included, the target's admission prefills not (either arm pays
+those). So a job too short to amortise a calibration never pays for one, and an arm that
+lost dearly is re-tested only in work long enough to repay it. No trial of either arm starts
+without room for a whole trial and as much work again after it (``TRIAL_ROOM`` windows): a
+win can only pay back in the work after it.
 
 Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
 
@@ -172,6 +173,7 @@ class RoundReport:
     prepare_s: float  # bringing the group into one rectangle before the round
     elapsed_s: float  # wall clock since the previous round ended (everything in between counts)
     draft_prefill_s: float = 0.0  # of elapsed_s: draft prefills at admission (made for SPEC, charged to SPEC)
+    admit_s: float = 0.0  # of elapsed_s: the target's prefills at admission (either arm pays them)
     tokens_left: int | None = None  # the most tokens the job has left (rows in flight and to come); None: unknown
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -363,15 +365,17 @@ class Arms:
         self.spent = [0, 0.0]  # the current trial's tokens and seconds, all its windows
         self.price: dict[str, float] = {}  # per arm: what its last lost trial cost, in seconds (``affordable``)
 
-    def record(self, tokens: int, seconds: float, tokens_left: int | None = None) -> float | None:
+    def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0) -> float | None:
         """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
-        most tokens the job has left after it, rows in flight and rows to come (None: unknown)."""
+        most tokens the job has left after it, rows in flight and rows to come (None: unknown). ``admit_s``: of
+        ``seconds``, the target's prefills of rows admitted before the round: they count in the window, but not in
+        a trial's price (whichever arm runs, a row is prefilled once)."""
         self.tokens_left = tokens_left
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
         if self.arm != self.incumbent:
             self.spent[0] += tokens
-            self.spent[1] += seconds
+            self.spent[1] += seconds - admit_s
         full = self.window.full()
         if not full and (self.arm == self.incumbent or not self.window.full(CUT_AT)):
             return None
@@ -653,4 +657,4 @@ class Auto:
         else:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
             self.drafting += DRAFTING_EMA * ((report.choice.k > 0) - self.drafting)
-        return self.arms.record(report.tokens, seconds, report.tokens_left)
+        return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s)

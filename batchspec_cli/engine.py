@@ -198,6 +198,7 @@ class Engine:
         self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
         self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
         self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
+        self.admit_s = 0.0  # the target's admission prefills since the last round (within its elapsed_s)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
 
     def _check(self, req: Request) -> str | None:
@@ -273,7 +274,10 @@ class Engine:
             for req in chunk:
                 drafter.admit(req.row, req.prompt_ids)
 
+        prefill_started = time.perf_counter()
         errors = self._prefill(slots, end)
+        self._sync()
+        self.admit_s += time.perf_counter() - prefill_started
         if self.model_drafter is not None and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
         self._sync()
@@ -451,9 +455,10 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, tokens_left=self._tokens_left(),
-            draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
-        self.round_ended, self.draft_prefill_s = ended, 0.0
+            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, admit_s=self.admit_s,
+            tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
+            verify_s=clock.seconds("verify", "accepted"))
+        self.round_ended, self.draft_prefill_s, self.admit_s = ended, 0.0, 0.0
         window = self.policy.observe(report)
         live_in_group = [s for s in slots if state.rows[s] is not None]
         yield StepStats(

@@ -172,6 +172,22 @@ def test_a_retest_is_priced_at_what_the_last_lost_trial_cost():
     assert trials(drive_left(rates, 20, 1000 * window, Arms(TRIAL_SHARE), dear=dear), SPEC) == trials(cheap, SPEC)
 
 
+def test_a_trials_price_leaves_out_the_admission_prefills_either_arm_pays():
+    """A losing SPEC trial (90 % of PLAIN) during which a new batch was admitted (a 3 s prefill before one of its
+    rounds): the window counts the prefill, the price does not."""
+    rates = {PLAIN: 100.0, SPEC: 90.0}
+    arms = Arms(TRIAL_SHARE)
+    for _ in range(WINDOW_ROUNDS):
+        arms.record(rates[PLAIN] * ROUND_S, ROUND_S, 10 ** 6)
+    assert arms.arm == SPEC
+    n = 0
+    while arms.arm == SPEC:
+        admitted = 3.0 if n == 2 else 0.0
+        arms.record(rates[SPEC] * ROUND_S, ROUND_S + admitted, 10 ** 6, admit_s=admitted)
+        n += 1
+    assert arms.price[SPEC] == pytest.approx(n * ROUND_S * (1 - rates[SPEC] / rates[PLAIN]))
+
+
 @pytest.mark.parametrize("incumbent", [PLAIN, SPEC])
 def test_unknown_work_is_no_tail_and_the_tail_has_no_trial_of_either_arm(incumbent):
     window = WINDOW_ROUNDS * ROUND_S * 100.0

@@ -121,7 +121,7 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     """A PLAIN round's wall clock loses the draft prefills made before it; SPEC's next round carries them."""
     auto = Auto(5)
     seen = []
-    auto.arms.record = lambda tokens, seconds, rounds_left=None: seen.append(seconds)
+    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0: seen.append(seconds)
     plain = dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.05)
     auto.observe(plain)
     auto.observe(plain)
@@ -136,7 +136,7 @@ def test_spec_fills_the_pool_only_while_most_of_its_rounds_speculate():
     its recent rounds speculate; plain steps under SPEC close it within a window, speculating rounds reopen it;
     PLAIN's rounds and a SPEC trial never fill it."""
     auto = Auto(5)
-    auto.arms.record = lambda tokens, seconds, tokens_left=None: None
+    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0: None
     assert not auto.wants_pool()  # PLAIN holds
     auto.arms.arm = SPEC
     assert not auto.wants_pool()  # a SPEC trial runs on the batch in flight
@@ -401,7 +401,7 @@ class ScheduledArms(Arms):
         super().__init__()
         self.rng, self.left = random.Random(seed), 0
 
-    def record(self, tokens, seconds, rounds_left=None):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
         self.left -= 1
         if self.left > 0:
             return None
@@ -498,6 +498,34 @@ def test_the_engine_tells_auto_the_work_left(target, draft, prompts, sized):
         exact += left == total - committed
     assert seen[-1][1] == 0 and exact >= len(seen) // 4
     assert sized == (seen[0][1] is not None)
+
+
+def test_the_engine_reports_the_targets_admission_prefills_apart(target, draft, prompts):
+    """Every round's report says how much of its elapsed wall clock went on the target's prefills of rows admitted
+    since the previous round: together, about what the prefill steps' own stats measured (PLAIN: no draft prefill
+    rides along), never more than the round's elapsed time, nothing on rounds with no admission before them."""
+    from batchspec_cli.engine import ModelHandle
+    from batchspec_cli.events import Request, StepStats
+
+    reports = []
+
+    class Watching(Auto):
+        def observe(self, report):
+            reports.append(report)
+            return super().observe(report)
+
+    policy = Watching(3)
+    policy.arms.share = None
+    policy.arms._decide = lambda rate: None  # PLAIN throughout
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [], EngineConfig(mode="auto", k=3,
+                    batch_size=4), policy=policy)
+    events = list(engine.run(iter([Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=6, sampling=Sampling())
+                                   for i, p in enumerate(prompts)])))
+    prefills = [e for e in events if isinstance(e, StepStats) and e.group_kind == "prefill"]
+    assert len(prefills) >= 2 and all(r.admit_s <= r.elapsed_s for r in reports)
+    assert reports[0].admit_s > 0 and sum(r.admit_s > 0 for r in reports) <= len(prefills)
+    measured = sum(p.total_ms for p in prefills) / 1e3
+    assert 0.5 * measured <= sum(r.admit_s for r in reports) <= measured
 
 
 def test_auto_on_a_short_job_stays_plain_and_never_calibrates_or_prefills_the_draft(target, draft, prompts,

@@ -145,11 +145,11 @@ class _SpecWins(_SpecTrial):
         super().__init__()
         self.left = after
 
-    def record(self, tokens, seconds, tokens_left=None):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
         self.left -= 1
         if self.left == 0:
             self.incumbent = control.SPEC
-        return super().record(tokens, seconds, tokens_left)
+        return super().record(tokens, seconds, tokens_left, admit_s)
 
 
 class _Speculating(control.Goodput):
