@@ -220,14 +220,15 @@ class Engine:
         group); ar and eqspec refill their batch as soon as a quarter of it is free
         (continuous batching): the next round's ``_prepare`` realigns the batch, new rows
         included, into one rectangle. While the policy does not speculate (``wants_pool``
-        false: auto's PLAIN arm, or no drafter) the pool, too, holds one batch and refills
-        like ar: rows that only take plain steps stay in step and need no grouping.
+        false: auto's PLAIN arm, or no drafter) the pool, too, holds one batch, and refills
+        every slot as soon as it is free: rows that a SPEC trial left out of step finish
+        one by one, and waiting for a quarter of the batch ran 7 of 8 rows for a tenth more
+        rounds (32 prompts at batch 8: 285 rounds against ar's 256, 0.94x of ar; 255 and
+        0.97x refilling at once).
         """
         free = self.pool.free_slots()
-        if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, as ar holds
+        if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, kept full
             free = free[: max(0, self.cfg.batch_size - len(self.pool.live))]
-            if self.pool.live and len(free) < max(1, self.cfg.batch_size // 4):
-                return
         elif self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
         while free and not self.exhausted:

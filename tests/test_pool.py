@@ -208,3 +208,28 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     results, _ = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
     assert engine.pool.target.rows > 4
+
+
+def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
+    """auto in PLAIN holds one batch and keeps it full: rows of different lengths finish one by one, and each freed
+    slot takes the next prompt before the next round. Every round until the last prompt is admitted runs the whole
+    batch (waiting for a quarter of it to be free ran 7 of 8 rows for a tenth more rounds); outputs equal the
+    per-prompt references."""
+    draft = perturbed_copy(target, scale=0.05, seed=1)
+    prompts = prompts_of(24, seed=6, lo=4, hi=20)
+    limits = [3 + (7 * i) % 11 for i in range(len(prompts))]  # rows finish at different rounds
+    policy = control.Auto(3)
+    policy.arms = _PlainOnly()
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="auto", k=3, batch_size=8, window=32), lookups=drafters.make(["suffix"]),
+                    policy=policy)
+    events = list(engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i])
+                             for i, p in enumerate(prompts)))
+    results = {e.row: e for e in events if isinstance(e, RowResult)}
+    assert [results[i].token_ids for i in range(len(prompts))] == \
+        [greedy_reference(target, p, limits[i], []) for i, p in enumerate(prompts)]
+    steps = [e for e in events if isinstance(e, StepStats)]
+    last_admission = max(i for i, s in enumerate(steps) if s.group_kind == "prefill")
+    rounds = [s for s in steps[:last_admission] if s.group_kind != "prefill"]
+    assert len(rounds) > 10 and all(s.batch_size == 8 for s in rounds), [s.batch_size for s in rounds]
+    assert engine.pool.target.rows <= 8
