@@ -15,8 +15,9 @@ two whole policies (*arms*) by measured throughput (``Arms``):
 
 Each arm is judged by committed tokens per wall second over *windows* of at least
 ``WINDOW_ROUNDS`` rounds and ``WINDOW_SECONDS`` seconds. Everything between two rounds counts
-(admission, growth, realignment, the draft's catch-up, calibration): the clock is the wall
-clock from one round's end to the next's. A window's rate is the median over
+(admission, growth, realignment, the draft's prefills and catch-up, calibration): the clock is
+the wall clock from one round's end to the next's, less the target's prefills of admitted rows
+(the same work whichever arm runs; where one lands would decide a window). A window's rate is the median over
 ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
 in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
 in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
@@ -368,14 +369,18 @@ class Arms:
     def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0) -> float | None:
         """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
         most tokens the job has left after it, rows in flight and rows to come (None: unknown). ``admit_s``: of
-        ``seconds``, the target's prefills of rows admitted before the round: they count in the window, but not in
-        a trial's price (whichever arm runs, a row is prefilled once)."""
+        ``seconds``, the target's prefills of rows admitted before the round. They count neither in the window nor
+        in a trial's price: whichever arm runs, a row is prefilled once, and where one lands decides nothing about
+        the arms (a window with a long prompt's prefill measured half the rate of one without; with the prefills
+        in, SPEC won 2 of 4 trials at batch 4 that measured 0.83-0.85 of PLAIN's rate without them). Everything
+        else between two rounds counts: KV growth, realignment, the draft's prefills and catch-up."""
         self.tokens_left = tokens_left
+        seconds -= admit_s  # the arm's own seconds: a row's prefill is the same work whichever arm runs
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
         if self.arm != self.incumbent:
             self.spent[0] += tokens
-            self.spent[1] += seconds - admit_s
+            self.spent[1] += seconds
         full = self.window.full()
         if not full and (self.arm == self.incumbent or not self.window.full(CUT_AT)):
             return None
