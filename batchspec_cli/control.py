@@ -17,8 +17,8 @@ Each arm is judged by committed tokens per wall second over *windows* of at leas
 ``WINDOW_ROUNDS`` rounds and ``WINDOW_SECONDS`` seconds. Everything between two rounds counts
 (admission, growth, realignment, the draft's prefills and catch-up, calibration): the clock is
 the wall clock from one round's end to the next's, less the target's prefills of admitted rows
-(the same work whichever arm runs; where one lands would decide a window). A window's rate is the median over
-``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
+(the same work whichever arm runs; where one lands would decide a window). A window's rate is
+the median over ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
 in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
 in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it

@@ -104,4 +104,4 @@ class StepStats:
     expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
     plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group
     arm: str = ""  # auto's arm for this round: "plain" (k = 0 throughout) or "spec"; "" for a fixed k
-    window_tokens_per_s: float = 0.0  # auto: the measured rate of the arm's window this round closed (0: none)
+    window_tokens_per_s: float = 0.0  # auto: the rate of the window this round closed (admission prefills out; 0: none)
