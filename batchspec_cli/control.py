@@ -201,6 +201,9 @@ class Policy(Protocol):
         """Whether the engine should fill its whole pool (rows at many lengths, for speculation to group), or
         hold one batch: rows that only take plain steps stay in step and need no pool."""
 
+    def drafts(self) -> bool:
+        """Whether the next choice may take a draft; else the engine asks no drafter for a proposal."""
+
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice: ...
 
     def observe(self, report: RoundReport) -> float | None:
@@ -450,6 +453,9 @@ class FixedK:
     def wants_pool(self) -> bool:
         return self.k > 0
 
+    def drafts(self) -> bool:
+        return self.k > 0
+
     def rank(self, group: Group, sources: dict[str, Offer]) -> tuple[list[str], list[int]]:
         """Each row's model-free draft: the drafter with the most expected accepted tokens, ``sum_j a^(j+1)``
         over its proposal (a on this row, for that drafter). Returns ([G] drafter or "", [G] its length)."""
@@ -644,6 +650,10 @@ class Auto:
         in flight, so a trial that loses has not paid for admitting and realigning a second batch, and a SPEC
         whose ruler picks plain steps does not pay for growing the KV of rows it will not group."""
         return self.arms.arm == SPEC and self.arms.incumbent == SPEC and self.drafting >= POOL_DRAFTING
+
+    def drafts(self) -> bool:
+        """Only SPEC's rounds draft: PLAIN's ask no drafter (the suffix drafts cost 1-2 % of a plain job)."""
+        return self.arms.arm == SPEC
 
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
         if self.arms.arm == PLAIN:

@@ -175,9 +175,9 @@ class SuffixDrafter:
         return _padded([self.rows[row].propose(k) for row in rows.ids], k, self.name)
 
     def preload(self, prompt: list[int], completion: list[int] | None) -> None:
-        self.corpus.index.add(prompt)
+        self.corpus.add(prompt)
         if completion:
-            self.corpus.index.add(self.corpus.completion_document(prompt, completion))
+            self.corpus.add(self.corpus.completion_document(prompt, completion))
 
 
 def make(names: list[str]) -> list:

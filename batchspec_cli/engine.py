@@ -418,7 +418,7 @@ class Engine:
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, rows_index, pad, T))
             clock.mark("calibrated")
-        proposals = self._lookup_proposals(slots)
+        proposals = self._lookup_proposals(slots) if self.policy.drafts() else {}
         choice = self._choose(slots, proposals)
         k = choice.k
         noise = self._noise(slots, rows_index, k)

@@ -477,6 +477,11 @@ class SuffixCorpus:
     Memory: the global index's bound (see ``SuffixIndex``) plus, per open row, a local
     index of at most ``local_depth × len(text)`` nodes (≈ 8 × 1300 × 100 B ≈ 1 MB for a
     1000-token prompt and 300 generated tokens with the defaults).
+
+    Indexing is lazy: documents wait in ``pending`` until the global index is read (``index``),
+    and a row builds its local index on its first draft. A job that drafts nothing (auto's PLAIN
+    arm) pays for neither; the first draft after plain rounds catches up, in the order the
+    documents came, so the index is the one eager indexing would have built.
     """
 
     def __init__(
@@ -486,18 +491,31 @@ class SuffixCorpus:
         local_depth: int = 8,
         min_prob: float = 0.1,
     ) -> None:
-        self.index = index if index is not None else SuffixIndex(min_prob=min_prob)
+        self._index = index if index is not None else SuffixIndex(min_prob=min_prob)
+        self.pending: list[list[int]] = []  # documents not yet in the index, oldest first
         self.local_depth = local_depth
         self.min_prob = min_prob
 
+    @property
+    def index(self) -> SuffixIndex:
+        """The global index, every document added so far in it. O(pending tokens × depth) after plain rounds."""
+        for document in self.pending:
+            self._index.add(document)
+        self.pending.clear()
+        return self._index
+
+    def add(self, document: Sequence[int]) -> None:
+        """A new document for the global index (indexed when the index is next read)."""
+        self.pending.append(list(document))
+
     def completion_document(self, prompt: Sequence[int], completion: Sequence[int]) -> list[int]:
         """The document a finished row adds: its prompt's tail, then its completion."""
-        tail = self.index.max_depth - 1
+        tail = self._index.max_depth - 1
         return list(prompt[-tail:]) + list(completion)
 
     def open(self, prompt: Sequence[int]) -> SuffixRow:
-        """Admit a row: index its prompt, return its per-row drafter. O(len(prompt) × depth)."""
-        self.index.add(prompt)
+        """Admit a row: add its prompt to the global index, return its per-row drafter."""
+        self.add(prompt)
         return SuffixRow(self, prompt)
 
 
@@ -509,20 +527,27 @@ class SuffixRow:
         self.prompt = list(prompt)  # [prompt_len]
         self.completion: list[int] = []  # [generated]
         self.text = list(prompt)  # [prompt_len + generated]
-        self.local: SuffixIndex | None = SuffixIndex(
-            max_depth=drafter.local_depth,
-            max_nodes=1 << 62,
-            max_tokens=1 << 62,
-            min_prob=drafter.min_prob,
-        )
-        self.local.add(prompt)
+        self.local: SuffixIndex | None = None  # over text[:indexed]; built on the first draft
+        self.indexed = 0
         self.finished = False
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Committed tokens. O(local_depth) per token."""
+        """Committed tokens (indexed locally on the next draft, O(local_depth) per token then)."""
         self.text.extend(tokens)
         self.completion.extend(tokens)
-        self.local.extend(tokens)
+
+    def _local(self) -> SuffixIndex:
+        """The local index over the whole text: built on the first draft, then extended by what came since."""
+        if self.finished:
+            raise RuntimeError("drafting a finished row")
+        if self.local is None:
+            self.local = SuffixIndex(max_depth=self.drafter.local_depth, max_nodes=1 << 62, max_tokens=1 << 62,
+                                     min_prob=self.drafter.min_prob)
+            self.local.add(self.text)
+        else:
+            self.local.extend(self.text[self.indexed:])
+        self.indexed = len(self.text)
+        return self.local
 
     def draft(self, k: int) -> LookupDraft:
         """The better of the local and the global draft by score, then by match length (ties: local).
@@ -531,7 +556,7 @@ class SuffixRow:
         little) loses to one from a longer match whatever its score.
 
         O(depth² + k·depth)."""
-        local = self.local.draft(self.text, k)
+        local = self._local().draft(self.text, k)
         shared = self.drafter.index.draft(self.text, k)
         if shared.match < MIN_MATCH <= local.match:
             return local
@@ -545,6 +570,6 @@ class SuffixRow:
     def finish(self, add_to_index: bool = True) -> None:
         """The row is done: add its completion document to the job index (once); free the local."""
         if not self.finished and add_to_index:
-            self.drafter.index.add(self.drafter.completion_document(self.prompt, self.completion))
+            self.drafter.add(self.drafter.completion_document(self.prompt, self.completion))
         self.finished = True
         self.local = None  # drafting a finished row is a caller error

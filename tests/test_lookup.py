@@ -386,6 +386,38 @@ def test_suffix_drafter_preload_rebuilds_the_same_index():
         assert resumed.corpus.index.draft(context, 5) == live.corpus.index.draft(context, 5)
 
 
+def test_suffix_indexing_waits_for_a_draft_and_then_equals_eager_indexing():
+    """Rows that only take plain steps index nothing (auto's PLAIN arm pays no suffix bookkeeping); the first read
+    of the global index, and a row's first draft, catch up to exactly the indexes built token by token."""
+    rng = random.Random(14)
+    corpus = SuffixCorpus(SuffixIndex(max_depth=6))
+    eager, documents, rows = SuffixIndex(max_depth=6), [], []
+    for i in range(16):
+        prompt = [rng.randrange(20) for _ in range(rng.randint(1, 30))]
+        row = corpus.open(prompt)
+        documents.append(prompt)
+        for chunk in _chunks(rng, [rng.randrange(20) for _ in range(rng.randint(1, 30))]):
+            row.extend(chunk)
+        if i % 3:
+            row.finish()
+            documents.append(corpus.completion_document(prompt, row.completion))
+        else:
+            rows.append(row)
+    assert len(corpus.pending) == len(documents) and all(row.local is None for row in rows)  # nothing indexed yet
+    for document in documents:
+        eager.add(document)
+    assert corpus.index.documents() == eager.documents() and corpus.index.nodes == eager.nodes
+    assert not corpus.pending
+    for row in rows:
+        for _ in range(3):  # drafts between extensions: the local index follows the text
+            local = SuffixIndex(max_depth=corpus.local_depth, max_nodes=1 << 62, max_tokens=1 << 62,
+                                min_prob=corpus.min_prob)
+            local.add(row.text)
+            assert row.draft(5) in (local.draft(row.text, 5), eager.draft(row.text, 5))
+            assert row.local.nodes == local.nodes and row.local.documents() == local.documents()
+            row.extend([rng.randrange(20) for _ in range(rng.randint(1, 5))])
+
+
 def test_drafters_propose_padded_tokens_and_per_row_lengths():
     """The drafter protocol: tokens [G, k] with filler past each row's length, lengths [G] (0: no draft)."""
     ngram, suffix = drafters.make(["ngram", "suffix"])

@@ -233,3 +233,34 @@ def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
     rounds = [s for s in steps[:last_admission] if s.group_kind != "prefill"]
     assert len(rounds) > 10 and all(s.batch_size == 8 for s in rounds), [s.batch_size for s in rounds]
     assert engine.pool.target.rows <= 8
+
+
+class _CountingSuffix(drafters.SuffixDrafter):
+    """The suffix drafter, counting the proposals the engine asks of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def propose(self, rows, k):
+        self.asked += 1
+        return super().propose(rows, k)
+
+
+@pytest.mark.parametrize("arms, asks", [(_PlainOnly, False), (_SpecTrial, True)])
+def test_plain_rounds_ask_no_drafter_and_index_nothing(target, arms, asks):
+    """auto in PLAIN takes no draft, so it asks no model-free drafter for one and builds no row's suffix index
+    (measured: 1-2 % of a plain job at batch 8 on short prompts); SPEC's rounds do. Outputs equal the per-prompt
+    references either way."""
+    draft = perturbed_copy(target, scale=0.05, seed=1)
+    prompts = prompts_of(10, seed=8, lo=4, hi=20)
+    suffix = _CountingSuffix()
+    policy = control.Auto(3)
+    policy.arms = arms()
+    engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
+                    EngineConfig(mode="auto", k=3, batch_size=4, window=16), lookups=[suffix], policy=policy)
+    results, _ = run(engine, prompts, 9)
+    assert [results[i].token_ids for i in range(len(prompts))] == [greedy_reference(target, p, 9, []) for p in prompts]
+    assert (suffix.asked > 0) == asks
+    waiting = len(suffix.corpus.pending)  # PLAIN: every prompt and completion still waits; SPEC's drafts read them
+    assert (waiting < 2 * len(prompts)) == asks, waiting
