@@ -27,7 +27,9 @@ once half its window has run) ends there, so a losing trial costs half a window.
 also has to be worth its price (``Arms.affordable``) when the engine knows how much work the
 job has left: it starts only if its price is at most ``TRIAL_SHARE`` of the time that work
 takes at the incumbent's rate. A first SPEC trial is priced at its calibration
-(``TRIAL_PRICE`` rounds); a later trial of an arm at what the arm's last lost trial measurably
+(``TRIAL_PRICE`` rounds) and the loss of half a window at the cut-off rate (a trial that is
+not clearly behind runs on; its rounds were the larger part of what first trials measurably
+cost, 0.22-0.28 s at batch 4-8 on a CPU, twice the calibration alone); a later trial of an arm at what the arm's last lost trial measurably
 cost: its rounds' seconds beyond what the incumbent would have taken for their tokens, its
 catch-ups and calibration included, the target's admission prefills not (either arm pays
 those). So a job too short to amortise a calibration never pays for one, and an arm that
@@ -401,15 +403,17 @@ class Arms:
         """Whether a trial of ``arm`` may start now, when the job's work left is known (else always). Not without
         room for it: ``TRIAL_ROOM`` windows of work (a trial's two windows, and as much again to pay back in). And
         only if its price is at most ``share`` of the time the work left takes at the incumbent's rate: what the
-        arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds;
-        a first PLAIN trial prepares nothing). A short job is not spent on a trial a long one would amortise."""
+        arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds)
+        and half a window at ``CUT_BELOW`` of the incumbent's rate (a first PLAIN trial prepares nothing). A short
+        job is not spent on a trial a long one would amortise."""
         if self.share is None or self.tokens_left is None or self.baseline <= 0 or self.round_s <= 0:
             return True
         time_left = self.tokens_left / self.baseline
-        if time_left < TRIAL_ROOM * max(WINDOW_SECONDS, WINDOW_ROUNDS * self.round_s):
+        window_s = max(WINDOW_SECONDS, WINDOW_ROUNDS * self.round_s)
+        if time_left < TRIAL_ROOM * window_s:
             return False
-        price = self.price.get(arm, TRIAL_PRICE * self.round_s if arm == SPEC else 0.0)
-        return price <= self.share * time_left
+        first = TRIAL_PRICE * self.round_s + CUT_AT * (1 - CUT_BELOW) * window_s if arm == SPEC else 0.0
+        return self.price.get(arm, first) <= self.share * time_left
 
     def _decide(self, rate: float) -> None:
         other = SPEC if self.incumbent == PLAIN else PLAIN

@@ -122,11 +122,13 @@ def drive_left(rates: dict[str, float], windows: int, tokens: float | None, arms
 
 
 def test_a_trial_starts_only_when_the_work_left_can_pay_for_it():
-    """The first trial's price is TRIAL_PRICE PLAIN rounds (its calibration): it starts when that is at most TRIAL_SHARE of the time
-    the work left takes at PLAIN's rate. A short job never trials, a long one trials after its first window, one
-    whose work is unknown keeps the doubling schedule; a SPEC that wins is found and kept."""
+    """The first trial's price is TRIAL_PRICE PLAIN rounds (its calibration) and half a window's rounds at the
+    cut-off rate: it starts when that is at most TRIAL_SHARE of the time the work left takes at PLAIN's rate. A
+    short job never trials, a long one trials after its first window, one whose work is unknown keeps the
+    doubling schedule; a SPEC that wins is found and kept."""
     rates = {PLAIN: 100.0, SPEC: 120.0}
-    price = TRIAL_PRICE * ROUND_S  # seconds
+    window_s = WINDOW_ROUNDS * ROUND_S  # a window closes on its round count (ROUND_S)
+    price = TRIAL_PRICE * ROUND_S + CUT_AT * (1 - CUT_BELOW) * window_s  # seconds
     enough = price / TRIAL_SHARE * rates[PLAIN]  # tokens of work left at which the first trial is affordable
     window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]  # tokens a PLAIN window commits
     short = drive_left(rates, 6, 0.9 * enough + window, Arms(TRIAL_SHARE))
