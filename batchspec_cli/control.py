@@ -18,9 +18,9 @@ Each arm is judged by committed tokens per wall second over *windows* of at leas
 (admission, growth, realignment, the draft's prefills and catch-up, calibration): the clock is
 the wall clock from one round's end to the next's, less the target's prefills of admitted rows
 (the same work whichever arm runs; where one lands would decide a window). A window's rate is
-the median over ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide. The job starts
-in PLAIN, tries SPEC after one window, and switches only when two windows of the challenger
-in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
+the median over ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide.
+The job starts in PLAIN, tries SPEC after one window, and switches only when two windows of the
+challenger in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
 re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
 loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
 once half its window has run) ends there, so a losing trial costs half a window. A trial
@@ -29,10 +29,10 @@ job has left: it starts only if its price is at most ``TRIAL_SHARE`` of the time
 takes at the incumbent's rate. A first SPEC trial is priced at its calibration
 (``TRIAL_PRICE`` rounds) and the loss of half a window at the cut-off rate (a trial that is
 not clearly behind runs on; its rounds were the larger part of what first trials measurably
-cost, 0.22-0.28 s at batch 4-8 on a CPU, twice the calibration alone); a later trial of an arm at what the arm's last lost trial measurably
-cost: its rounds' seconds beyond what the incumbent would have taken for their tokens, its
-catch-ups and calibration included, the target's admission prefills not (either arm pays
-those). So a job too short to amortise a calibration never pays for one, and an arm that
+cost, 0.22-0.28 s at batch 4-8 on a CPU, twice the calibration alone); a later trial of an
+arm at what the arm's last lost trial measurably cost: its rounds' seconds beyond what the
+incumbent would have taken for their tokens, its catch-ups and calibration included, the
+target's admission prefills not (either arm pays those). So a job too short to amortise a calibration never pays for one, and an arm that
 lost dearly is re-tested only in work long enough to repay it. No trial of either arm starts
 without room for a whole trial and as much work again after it (``TRIAL_ROOM`` windows): a
 win can only pay back in the work after it.

@@ -492,7 +492,8 @@ class SuffixCorpus:
         min_prob: float = 0.1,
     ) -> None:
         self._index = index if index is not None else SuffixIndex(min_prob=min_prob)
-        self.pending: list[list[int]] = []  # documents not yet in the index, oldest first
+        self.pending: deque[array] = deque()  # documents not yet in the index, oldest first
+        self.pending_tokens = 0
         self.local_depth = local_depth
         self.min_prob = min_prob
 
@@ -502,11 +503,18 @@ class SuffixCorpus:
         for document in self.pending:
             self._index.add(document)
         self.pending.clear()
+        self.pending_tokens = 0
         return self._index
 
     def add(self, document: Sequence[int]) -> None:
-        """A new document for the global index (indexed when the index is next read)."""
-        self.pending.append(list(document))
+        """A new document for the global index (indexed when the index is next read). The waiting documents keep
+        the index's token bound: those the index would evict once the newer ones are in are dropped now, so a job
+        that never drafts holds no more than the index would."""
+        self.pending.append(array("i", document))
+        self.pending_tokens += len(document)
+        while len(self.pending) > 1 and self.pending_tokens > self._index.max_tokens:
+            self.pending_tokens -= len(self.pending.popleft())
+            self._index.evicted += 1
 
     def completion_document(self, prompt: Sequence[int], completion: Sequence[int]) -> list[int]:
         """The document a finished row adds: its prompt's tail, then its completion."""

@@ -418,6 +418,23 @@ def test_suffix_indexing_waits_for_a_draft_and_then_equals_eager_indexing():
             row.extend([rng.randrange(20) for _ in range(rng.randint(1, 5))])
 
 
+def test_documents_waiting_for_a_draft_keep_the_index_bound():
+    """A job that never drafts holds no more waiting tokens than the index would keep (its oldest documents are
+    dropped as the index would evict them), and the index read at last equals the eagerly built one."""
+    rng = random.Random(15)
+    corpus, eager = SuffixCorpus(SuffixIndex(max_depth=4, max_tokens=200)), SuffixIndex(max_depth=4, max_tokens=200)
+    for _ in range(100):
+        document = [rng.randrange(30) for _ in range(rng.randint(1, 40))]
+        corpus.add(document)
+        eager.add(document)
+        assert corpus.pending_tokens <= 200 or len(corpus.pending) == 1
+    assert eager.evicted > 50
+    assert corpus.index.documents() == eager.documents() and corpus.index.nodes == eager.nodes
+    for _ in range(30):
+        context = [rng.randrange(30) for _ in range(rng.randint(1, 6))]
+        assert corpus.index.draft(context, 4) == eager.draft(context, 4)
+
+
 def test_drafters_propose_padded_tokens_and_per_row_lengths():
     """The drafter protocol: tokens [G, k] with filler past each row's length, lengths [G] (0: no draft)."""
     ngram, suffix = drafters.make(["ngram", "suffix"])
