@@ -535,8 +535,7 @@ class SuffixRow:
         self.prompt = list(prompt)  # [prompt_len]
         self.completion: list[int] = []  # [generated]
         self.text = list(prompt)  # [prompt_len + generated]
-        self.local: SuffixIndex | None = None  # over text[:indexed]; built on the first draft
-        self.indexed = 0
+        self.local: SuffixIndex | None = None  # over text[:local.tokens] (it never evicts); built on the first draft
         self.finished = False
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -553,8 +552,7 @@ class SuffixRow:
                                      min_prob=self.drafter.min_prob)
             self.local.add(self.text)
         else:
-            self.local.extend(self.text[self.indexed:])
-        self.indexed = len(self.text)
+            self.local.extend(self.text[self.local.tokens:])
         return self.local
 
     def draft(self, k: int) -> LookupDraft:
