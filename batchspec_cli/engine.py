@@ -51,6 +51,7 @@ from . import drafters as drafting
 from . import sampling
 from .align import CacheFull, SlotCache, device_tensor, selection
 from .attention import folded_sdpa, group_forward
+from .config import MODES
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import NonFiniteLogits, Request, RowResult, StepStats
@@ -59,7 +60,6 @@ from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .stops import StopChecker
 
-MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING, _BROKEN = 0, 1, 2, 3, 4  # _BROKEN: non-finite logits
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns

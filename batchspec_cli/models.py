@@ -47,7 +47,7 @@ from transformers import (
 )
 
 from . import attention
-from .io import one_line
+from .errors import one_line
 
 
 class ModelError(Exception):
