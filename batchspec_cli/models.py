@@ -536,8 +536,9 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
                          "and chunked attention layers only")
     windows = {getattr(c, "sliding_window", None) for c in getattr(text, "per_layer_config", None) or [text]}
     if attention.SLIDING in kinds and (None in windows or len(windows) > 1):
-        raise ModelError(f"model '{label}' has sliding-window layers without one window size ({sorted(map(str, windows))})"
-                         "; batchspec supports a single window")
+        sizes = ", ".join(sorted(map(str, windows)))
+        raise ModelError(f"model '{label}' has sliding-window layers without one window size ({sizes}); "
+                         "batchspec supports a single window")
     if attention.CHUNKED in kinds and getattr(text, "attention_chunk_size", None) is None:
         raise ModelError(f"model '{label}' has chunked attention layers without an attention_chunk_size")
 
