@@ -21,7 +21,9 @@ how it is brought into one rectangle, and which k it runs:
 
 Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
 one forward when it lags) and model-free ones that propose from host-side indexes, all
-behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. The draft
+model may come as a function that loads it (``assembly.LazyDraft``): it is called when the
+draft is first used, so a job that never speculates never loads it. Tokens
 are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
 mode, drafter or k changes an output.
 
@@ -39,11 +41,12 @@ round (the commit's ``tolist``); step timers are CUDA events on a GPU, read afte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -132,18 +135,20 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 
 
 class Engine:
-    def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
-                 stop_checker: StopChecker | None = None, lookups: list[drafting.Drafter] | None = None,
-                 policy: Policy | None = None):
+    def __init__(self, target: ModelHandle, draft: ModelHandle | Callable[[], ModelHandle] | None, eos_ids: list[int],
+                 cfg: EngineConfig, stop_checker: StopChecker | None = None,
+                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None):
+        """``draft``: the draft model, or a function that loads it, called when the draft is first used (auto:
+        at its first speculative trial; eqspec and exspec: at their first admission)."""
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
-        self.draft = None if plain else draft
+        self._load_draft = None if plain or draft is None else (draft if callable(draft) else lambda: draft)
         self.lookups = [] if plain else list(lookups or [])
-        if cfg.mode in ("eqspec", "exspec") and self.draft is None and not self.lookups:
+        if cfg.mode in ("eqspec", "exspec") and self._load_draft is None and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
-        self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
+        self.max_k = 0 if plain or (self._load_draft is None and not self.lookups) else cfg.k
         # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
         window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
         self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
@@ -155,8 +160,10 @@ class Engine:
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
         self.step_no = 0
-        self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
-                              if self.draft is not None and self.max_k > 0 else None)
+        self.has_draft = self._load_draft is not None and self.max_k > 0  # a draft model, loaded or not yet
+        self.draft: ModelHandle | None = None  # the draft model once loaded (``_drafter``)
+        self.model_drafter: ModelDrafter | None = None
+        self._models = contextlib.ExitStack()  # the run's folded attention, entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
         if policy is None:
             policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
@@ -169,7 +176,8 @@ class Engine:
         self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
         stream = iter(requests)
         self._reset()
-        with folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)):
+        with self._models:
+            self._models.enter_context(folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)))
             while True:
                 yield from self._admit_from(stream)
                 if not self.pool.live:
@@ -183,9 +191,16 @@ class Engine:
                 except torch.OutOfMemoryError as exc:
                     yield from self._out_of_memory(self.group, exc)
 
+    def preload(self, saved: Iterable[tuple[list[int], list[int] | None]]) -> None:
+        """Teach the model-free drafters the rows an interrupted run of the job saved: (prompt, completion or
+        None), in run order, as the drafters of an uninterrupted run had learnt them."""
+        for prompt, completion in saved:
+            for drafter in self.lookups:
+                drafter.preload(prompt, completion)
+
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
-        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.model_drafter is not None)
+        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
         self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
         self.tcache, self.dcache = self.pool.target, self.pool.draft
         if self.model_drafter is not None:
@@ -279,7 +294,7 @@ class Engine:
         errors = self._prefill(slots, end)
         self._sync()
         self.admit_s += time.perf_counter() - prefill_started
-        if self.model_drafter is not None and self.policy.wants_draft():
+        if self.has_draft and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
@@ -290,6 +305,15 @@ class Engine:
         yield from errors
 
     @torch.no_grad()
+    def _drafter(self) -> ModelDrafter:
+        """The draft model's drafter, its model loaded on first use (within a run: it runs folded attention too)."""
+        if self.model_drafter is None:
+            self.draft = self._load_draft()
+            self._models.enter_context(folded_sdpa(self.draft.model))
+            self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
+            self.model_drafter.cache = self.dcache
+        return self.model_drafter
+
     def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
         """Fill the target cache of new rows; on out-of-memory, prefill the halves one after the other.
 
@@ -315,7 +339,7 @@ class Engine:
         rows_index = selection(slots, self.device)
         started = time.perf_counter()
         try:
-            self.model_drafter.prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
+            self._drafter().prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
@@ -366,13 +390,14 @@ class Engine:
         for w in range(3, top):  # linear in between
             verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
         draft = None
-        if self.model_drafter is not None:
+        if self.has_draft:
+            self._drafter()  # loads the draft model at its first calibration
+            handle = self.draft
             context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
             # tokens: [G, > context + K+1]
             tokens = self.layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
             cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
             whole = slice(0, group)
-            handle = self.draft
             timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, :context], zeros, 0)  # prefill, warm-up
             draft = {w: timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, context : context + w], zeros,
                               context) for w in sorted({1, 2, top})}
@@ -517,7 +542,7 @@ class Engine:
         rows = [state.rows[s].row for s in slots]
         remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
-        if self.model_drafter is not None:
+        if self.has_draft:
             sources["model"] = Offer(None, state.end[slots[0]] - min(state.draft_end[s] for s in slots))
         choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
         if not choice.k:
@@ -556,7 +581,7 @@ class Engine:
             rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.layout.tokens[rows_index, :T], pad,
                         min(self.state.draft_end[s] for s in slots),
                         lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))
-            return self.model_drafter.propose(rows, k), ["model"] * len(slots)
+            return self._drafter().propose(rows, k), ["model"] * len(slots)
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
