@@ -16,8 +16,8 @@ from pathlib import Path
 from . import io as bio
 from . import logprobs as lp
 from . import sources
-from .engine import MODES
 
+MODES = ("auto", "ar", "eqspec", "exspec")  # the engine's (engine.Engine)
 KERNELS = ("auto", "stock", "packed")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 
@@ -111,14 +111,9 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
 
-    @classmethod
-    def from_options(cls, options: dict) -> "GenerateConfig":
-        """The config from the `generate` command's parameters, named as `Setting.name`."""
-        fields = {s.name: s.field for s in settings()}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise TypeError(f"GenerateConfig has no setting for {', '.join(unknown)}")
-        return cls(**{fields[name]: value for name, value in options.items()})
+
+DEFAULT = GenerateConfig(input=Path(), output=Path())
+"""Every setting at its default: the `generate` command's options take their defaults from it."""
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ import torch
 from . import drafters as drafting
 from . import sampling
 from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
+from .config import DEFAULT, MODES
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import Request, RowResult, StepStats
@@ -61,7 +62,6 @@ from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .stops import StopChecker
 
-MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns
@@ -69,16 +69,18 @@ _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway
 
 @dataclass
 class EngineConfig:
-    mode: str = "auto"  # auto | ar | eqspec | exspec
-    k: int = 5  # draft tokens per round (auto: the most)
-    batch_size: int = 8
-    window: int | None = None  # pool size of exspec and auto (default: pool_window)
+    """The engine's settings; their defaults are the `generate` command's (``config.DEFAULT``)."""
+
+    mode: str = DEFAULT.mode  # auto | ar | eqspec | exspec
+    k: int = DEFAULT.k  # draft tokens per round (auto: the most)
+    batch_size: int = DEFAULT.batch_size
+    window: int | None = DEFAULT.window  # pool size of exspec and auto (None: pool_window)
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
-    logprobs_mode: str = "raw"  # the distribution of the rows' log-probabilities (see logprobs.py)
+    logprobs_mode: str = DEFAULT.logprobs_mode  # the distribution of the rows' log-probabilities (logprobs.py)
 
 
 def pool_window(batch_size: int, window: int | None = None) -> int:
