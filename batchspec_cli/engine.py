@@ -33,9 +33,11 @@ Which rows run together and which rows move where is decided by pure functions i
 slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
 Without a drafter the pool holds one batch: rows that never speculate stay in step.
 
-One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
-1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
-round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
+One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), then
+(``_round``) choose k, 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then
+the policy observes the round's ``RoundReport``, and the round returns its ``RoundOutcome``
+(its ``StepStats`` and finished rows), which ``run`` yields. Which requests enter the pool,
+and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s. Exactly one host sync per
 round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
@@ -44,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -52,6 +53,7 @@ import torch
 
 from . import drafters as drafting
 from . import sampling
+from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
 from .config import DEFAULT, MODES
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
@@ -128,6 +130,37 @@ class Committed:
     logprobs: RoundLogprobs | None = None  # the log-probabilities of the rows that asked (logprobs.Recorder)
 
 
+@dataclass
+class Prepared:
+    """A group brought into one rectangle (``Engine._prepare``), for its round."""
+
+    plan: MovePlan  # the grouping's decision; plan.slots: [G] the group's slots after the move
+    moved: int  # KV entries copied for rows whose padded length changed (realignment)
+    gathered: int  # KV entries copied for rows that only changed slot (assembly)
+    pad_before: int  # the group's padding before the move
+    bucket: int  # the first row's length bucket
+    started: float  # perf_counter when the round began (its prepare included)
+    clock: Clock  # the round's marks, "prepare" and "prepared" set
+
+
+@dataclass
+class SinceRound:
+    """What happened since the last round ended: the next round's report counts it (the policy's wall clock)."""
+
+    ended: float  # perf_counter when the last round ended (or the run started)
+    draft_prefill_s: float = 0.0  # draft prefills at admission since then (within the next round's elapsed_s)
+    admit_s: float = 0.0  # the target's admission prefills since then (within the next round's elapsed_s)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did: its step's statistics and the rows it finished."""
+
+    stats: StepStats
+    finished: list[RowResult]
+    ended: float  # perf_counter at the round's end
+
+
 def _contiguous_first(free: list[int], n: int) -> list[int]:
     """n free slots, one contiguous run when there is one (the admitted group then reads views)."""
     for i in range(len(free) - n + 1):
@@ -175,23 +208,26 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
         """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only.
         Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
-        self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
-        stream = iter(requests)
-        self._reset()
+        self._reset(Admission(requests, self.cfg.batch_size))
         with self._models:
             self._models.enter_context(folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)))
             while True:
-                yield from self._admit_from(stream)
+                yield from self._admit_from()
                 if not self.pool.live:
-                    if self.exhausted:
+                    if self.admission.exhausted:
                         return
                     continue
-                slots = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
-                self.group = slots
+                group = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
                 try:
-                    yield from self._round(slots)
+                    prepared = self._prepare(group)
+                    group = prepared.plan.slots
+                    outcome = self._round(prepared)
                 except torch.OutOfMemoryError as exc:
-                    yield from self._out_of_memory(self.group, exc)
+                    yield from self._out_of_memory(group, exc)
+                    continue
+                self.step_no, self.since = outcome.stats.step, SinceRound(outcome.ended)
+                yield outcome.stats
+                yield from outcome.finished
 
     def preload(self, saved: Iterable[tuple[list[int], list[int] | None]]) -> None:
         """Teach the model-free drafters the rows an interrupted run of the job saved: (prompt, completion or
@@ -201,7 +237,8 @@ class Engine:
                 drafter.preload(prompt, completion)
 
     # ------------------------------------------------------------------ state
-    def _reset(self) -> None:
+    def _reset(self, admission: Admission) -> None:
+        self.admission = admission  # the run's requests, read as free slots ask for them
         self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
         self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
         self.tcache, self.dcache = self.pool.target, self.pool.draft
@@ -209,13 +246,7 @@ class Engine:
             self.model_drafter.cache = self.dcache
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
-        self.exhausted = False
-        self.pulled = 0  # requests read from the stream
-        self.limits_seen = self.rows_seen = 0  # the admitted rows' token limits, summed, and their count
-        self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
-        self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
-        self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
-        self.admit_s = 0.0  # the target's admission prefills since the last round (within its elapsed_s)
+        self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
 
     def _check(self, req: Request) -> str | None:
@@ -226,11 +257,12 @@ class Engine:
         return None
 
     def _limit(self, req: Request) -> int:
+        """A row's token limit, worked out once at admission (``SlotState.limit``)."""
         return req.max_new_tokens if self.context is None else min(req.max_new_tokens,
                                                                    self.context - len(req.prompt_ids))
 
     # ------------------------------------------------------------------ admission
-    def _admit_from(self, stream: Iterator[Request]) -> Iterator[RowResult | StepStats]:
+    def _admit_from(self) -> Iterator[RowResult | StepStats]:
         """Admit new prompts into free slots, in chunks of at most a batch.
 
         The pooled modes admit a whole batch at a time (admitted rows form one same-length
@@ -248,27 +280,11 @@ class Engine:
             free = free[: max(0, self.cfg.batch_size - len(self.pool.live))]
         elif self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
-        while free and not self.exhausted:
-            chunk = []
-            while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.held_back = self.held_back or self._pull(stream), None
-                if req is None:
-                    self.exhausted = True
-                    break
-                error = self._check(req)
-                if error:
-                    yield self._error_row(req, error)
-                    continue
-                if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
-                    self.held_back = req
-                    break
-                chunk.append(req)
-            if chunk:
-                yield from self._admit(chunk, free)
-                free = [s for s in free if s not in self.pool.live]
-        if not self.exhausted and self.held_back is None:  # whether rows are left to come (the policy's horizon)
-            self.held_back = self._pull(stream)
-            self.exhausted = self.held_back is None
+        for chunk in self.admission.chunks(free, self.pool.is_free, self._check):
+            if isinstance(chunk, RowResult):  # a request that cannot run
+                yield chunk
+            else:
+                yield from self._admit(*chunk)
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
@@ -282,9 +298,9 @@ class Engine:
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
-                yield self._error_row(req, "out of memory: no room for this row's KV cache")
+                yield error_row(req, "out of memory: no room for this row's KV cache")
             return
-        self.limits_seen, self.rows_seen = self.limits_seen + sum(limits), self.rows_seen + len(limits)
+        self.admission.admitted(limits)
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
         self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         self.logprobs.admit(chunk)
@@ -295,7 +311,7 @@ class Engine:
         prefill_started = time.perf_counter()
         errors = self._prefill(slots, end)
         self._sync()
-        self.admit_s += time.perf_counter() - prefill_started
+        self.since.admit_s += time.perf_counter() - prefill_started
         if self.has_draft and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
         self._sync()
@@ -347,7 +363,7 @@ class Engine:
             self._empty_cache()
             return
         finally:
-            self.draft_prefill_s += time.perf_counter() - started
+            self.since.draft_prefill_s += time.perf_counter() - started
         for s in slots:
             self.state.draft_end[s] = end - 2
 
@@ -428,17 +444,23 @@ class Engine:
         yield self._end_row(slots[0], "error", "out of memory even for this row alone")
 
     # ------------------------------------------------------------------ one round
-    def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
+    def _prepare(self, slots: list[int]) -> Prepared:
+        """0. Prepare: the selected group in one rectangle in one slot range (the round's clock starts here)."""
         started, clock, state = time.perf_counter(), Clock(self.device), self.state
         pad_before = sum(state.pad[s] for s in slots)
         bucket = state.rows[slots[0]].bucket
-        # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
         clock.mark("prepare")
         plan = self.strategy.plan(self.pool.view(), slots)
         moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
-        slots = plan.slots
-        self.group = slots
         clock.mark("prepared")
+        return Prepared(plan, moved, gathered, pad_before, bucket, started, clock)
+
+    def _round(self, prepared: Prepared) -> RoundOutcome:
+        """One round over a prepared group: k, draft, verify, accept, commit; what happened, as a ``RoundOutcome``
+        (the round changes the rows, the pool and the policy's measurements, and nothing of the engine's own)."""
+        plan, clock, started, state = prepared.plan, prepared.clock, prepared.started, self.state
+        slots = plan.slots
+        # 0. (prepared) The policy's k and the drafts' noise.
         T = state.end[slots[0]]
         rows_index = selection(slots, self.device)
         pad = self.pool.pads(slots)  # [G]
@@ -483,40 +505,28 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, admit_s=self.admit_s,
-            tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
+            elapsed_s=ended - self.since.ended, draft_prefill_s=self.since.draft_prefill_s,
+            admit_s=self.since.admit_s, tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
             verify_s=clock.seconds("verify", "accepted"))
-        self.round_ended, self.draft_prefill_s, self.admit_s = ended, 0.0, 0.0
         window = self.policy.observe(report)
         live_in_group = [s for s in slots if state.rows[s] is not None]
-        yield StepStats(
-            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
-            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
-            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
+        stats = StepStats(
+            bucket=prepared.bucket, step=self.step_no + 1, group_kind=self._kind(plan), batch_size=len(slots), k=k,
+            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=prepared.pad_before,
+            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=prepared.moved,
+            kv_gathered=prepared.gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
             realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
             gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
-        yield from results
-
-    def _pull(self, stream: Iterator[Request]) -> Request | None:
-        req = next(stream, None)
-        self.pulled += req is not None
-        return req
+        return RoundOutcome(stats, results, ended)
 
     def _tokens_left(self) -> int | None:
-        """The most tokens the job has left: the rows in flight's limits, and rows to come at the mean limit of
-        the rows admitted so far (the run's requests have a length, or the stream has ended); None when unknown."""
+        """The most tokens the job has left (``Admission.tokens_left``), the rows in flight's included."""
         state = self.state
-        left = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in self.pool.live)
-        if self.exhausted and self.held_back is None:
-            return left
-        if self.total is None:
-            return None
-        to_come = max(0, self.total - self.pulled) + (self.held_back is not None)
-        return left + to_come * self.limits_seen // max(1, self.rows_seen)
+        return self.admission.tokens_left(sum(state.limit[s] - len(state.ids[s]) for s in self.pool.live))
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
@@ -530,7 +540,7 @@ class Engine:
             return {}
         state = self.state
         rows = Rows([state.rows[s].row for s in slots])
-        room = [max(0, min(self.max_k, self._limit(state.rows[s]) - len(state.ids[s]) - 1)) for s in slots]
+        room = [max(0, min(self.max_k, state.limit[s] - len(state.ids[s]) - 1)) for s in slots]
         proposals = {}
         for drafter in self.lookups:  # no draft past the end
             proposal = drafter.propose(rows, self.max_k)
@@ -542,7 +552,7 @@ class Engine:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
         state = self.state
         rows = [state.rows[s].row for s in slots]
-        remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
+        remaining = sum(state.limit[s] - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
         if self.has_draft:
             sources["model"] = Offer(None, state.end[slots[0]] - min(state.draft_end[s] for s in slots))
@@ -643,9 +653,6 @@ class Engine:
                 finished.append(self._end_row(slot, _REASONS[codes[i]]))
         return Committed(emitted, kept, codes, committed.blocks, committed.logprobs), finished
 
-    def _error_row(self, req: Request, error: str) -> RowResult:
-        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
-
     def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
         """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
         state = self.state
@@ -656,7 +663,7 @@ class Engine:
                                prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
         else:
             self.logprobs.pop(req.row)
-            result = self._error_row(req, error)
+            result = error_row(req, error)
         self.pool.free(slot)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
