@@ -178,12 +178,14 @@ class Engine:
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
-        self._load_draft = None if plain or draft is None else (draft if callable(draft) else lambda: draft)
+        self.draft = None if plain or callable(draft) else draft  # the draft model once loaded (``_drafter``)
+        self._load_draft = draft if callable(draft) and not plain else None
+        drafts = self.draft is not None or self._load_draft is not None
         self.lookups = [] if plain else list(lookups or [])
-        if cfg.mode in ("eqspec", "exspec") and self._load_draft is None and not self.lookups:
+        if cfg.mode in ("eqspec", "exspec") and not drafts and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
-        self.max_k = 0 if plain or (self._load_draft is None and not self.lookups) else cfg.k
+        self.max_k = 0 if plain or (not drafts and not self.lookups) else cfg.k
         # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
         window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
         self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
@@ -195,8 +197,7 @@ class Engine:
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
         self.step_no = 0
-        self.has_draft = self._load_draft is not None and self.max_k > 0  # a draft model, loaded or not yet
-        self.draft: ModelHandle | None = None  # the draft model once loaded (``_drafter``)
+        self.has_draft = drafts and self.max_k > 0  # a draft model, loaded or not yet
         self.model_drafter: ModelDrafter | None = None
         self._models = contextlib.ExitStack()  # the run's folded attention, entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
@@ -326,8 +327,9 @@ class Engine:
     def _drafter(self) -> ModelDrafter:
         """The draft model's drafter, its model loaded on first use (within a run: it runs folded attention too)."""
         if self.model_drafter is None:
-            self.draft = self._load_draft()
-            self._models.enter_context(folded_sdpa(self.draft.model))
+            if self.draft is None:
+                self.draft = self._load_draft()
+                self._models.enter_context(folded_sdpa(self.draft.model))
             self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
             self.model_drafter.cache = self.dcache
         return self.model_drafter
