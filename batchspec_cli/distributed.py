@@ -16,7 +16,7 @@ own bookkeeping, so checkpoint parts, resume, fingerprint, lock and the final fi
 the single-process ones. A worker that dies is restarted by Ray and its block is run
 again (Ray Data retries the task); a block that arrives twice is dropped whole, so no row
 is lost or doubled. A row's completion does not depend on its block, its batch or its
-worker (see DESIGN §4), so the output equals a single-process run's.
+worker (docs/design.md, "What is guaranteed"), so the output equals a single-process run's.
 
 ``ray`` is imported only here and only when a ``RayExecutor`` starts: the package works
 without it (``pip install 'batchspec[ray]'`` adds it).

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from buckets import BucketError, iter_bucket_rows
+from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
 from . import __version__
 from . import io as bio
@@ -42,6 +42,7 @@ from .config import GenerateConfig, UsageError, os_error_message, row_value, set
 from .engine import Engine, pool_window
 from .events import Request, RowResult, Sampling, StepStats
 from .plan import JobPlan, plan_job
+from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
@@ -223,8 +224,8 @@ class Generation:
                 if current is not None:
                     self._progress.seal(current)
                 current = bucket.index
-            rows = batch.column("__row").to_pylist()
-            ids = batch.column("__prompt_ids").to_pylist()
+            rows = batch.column(ROW_COLUMN).to_pylist()
+            ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
             for row, prompt in zip(rows, ids):
                 if row >= plan.total_rows:  # a bucket directory's row beyond --limit
                     continue
@@ -253,7 +254,7 @@ class Generation:
         if not done:
             return saved
         for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
-            for row, prompt in zip(batch.column("__row").to_pylist(), batch.column("__prompt_ids").to_pylist()):
+            for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
                 if row in done:
                     result = done[row]
                     saved.append((prompt, result.token_ids if result.finish_reason != "error" else None))
@@ -325,14 +326,11 @@ class Generation:
 
     # ------------------------------------------------------------------ output
     def texts(self, results: list[RowResult]) -> list[str]:
-        out = []
-        for r in results:
-            text = self.plan.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            if r.finish_reason == "stop_string":
-                stops = self.cfg.stop + row_value(self.plan.overrides.get("stop"), r.row, ())
-                text = text[: min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
-            out.append(text)
-        return out
+        """The rows' completions as text (a stop string and what follows it excluded: ``StopStrings.text``)."""
+        tokenizer, overrides = self.plan.tokenizer, self.plan.overrides.get("stop")
+        stops = StopStrings(tokenizer, self.cfg.stop)
+        return [stops.text(r.token_ids, row_value(overrides, r.row, ())) if r.finish_reason == "stop_string"
+                else tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
 
     def finish(self) -> dict:
         """Write both files atomically, remove the work directory; returns a summary."""

@@ -16,7 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from buckets import BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets, read_all_rows, settings_hash
+from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
+                     read_all_rows, settings_hash)
 
 from . import drafters
 from . import io as bio
@@ -152,8 +153,8 @@ def _read_input(cfg: GenerateConfig) -> _Source:
         input_hash = hash_files([cfg.input / "manifest.json"] + [cfg.input / b.shard for b in manifest.buckets])
         return _Source(output_format, input_hash, bucket_dir=cfg.input, manifest=manifest)
     inp, input_hash = sources.read(cfg)
-    if "__row" in inp.table.column_names or "__prompt_ids" in inp.table.column_names:
-        raise UsageError(f"{cfg.input}: column names __row and __prompt_ids are reserved")
+    if ROW_COLUMN in inp.table.column_names or PROMPT_IDS_COLUMN in inp.table.column_names:
+        raise UsageError(f"{cfg.input}: column names {ROW_COLUMN} and {PROMPT_IDS_COLUMN} are reserved")
     return _Source(output_format, input_hash, inp, {**row_overrides(inp.table, cfg), **inp.overrides})
 
 
@@ -223,11 +224,11 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
         raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
                          f"rerun `batchspec bucket` with these settings")
     table = read_all_rows(cfg.input, manifest)
-    check_token_ids(table.column("__prompt_ids"), target.model.get_input_embeddings().num_embeddings, cfg.input)
+    check_token_ids(table.column(PROMPT_IDS_COLUMN), target.model.get_input_embeddings().num_embeddings, cfg.input)
     id_column = manifest.settings.get("id_column", "id")
     ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
-        else [str(v) for v in table.column("__row").to_pylist()]
-    table = table.drop_columns([c for c in ("__row", "__prompt_ids") if c in table.column_names])
+        else [str(v) for v in table.column(ROW_COLUMN).to_pylist()]
+    table = table.drop_columns([c for c in (ROW_COLUMN, PROMPT_IDS_COLUMN) if c in table.column_names])
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
     return bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
