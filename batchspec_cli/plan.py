@@ -20,16 +20,18 @@ from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build
                      read_all_rows, settings_hash)
 
 from . import drafters
-from . import io as bio
 from . import models
 from . import openai_batch
 from . import sources
 from .assembly import LazyDraft, assemble
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, row_overrides, settings_record,
-                     tokenizer_settings)
+from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
 from .engine import Engine
+from .errors import InputError
 from .events import RowResult, StepStats
+from .files import check_distinct, check_output_path, check_writable, remove_stale_temps
+from .inputs import InputTable, row_overrides
+from .outputs import stats_path_for
 from .prompts import render_prompts
 
 @dataclass(frozen=True)
@@ -38,9 +40,9 @@ class JobPlan:
 
     stats_path: Path
     output_format: str  # parquet | openai (sources.output_format)
-    inp: bio.InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
+    inp: InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
     input_hash: str
-    overrides: dict[str, list]  # setting -> [rows] value or None (config.row_overrides and the input's own)
+    overrides: dict[str, list]  # setting -> [rows] value or None (inputs.row_overrides and the input's own)
     wants_logprobs: bool  # any row asks for log-probabilities (--logprobs, --logprobs-column, an OpenAI request)
     mode: str  # the mode run: --mode, or ar when nothing can draft
     target_name: str
@@ -105,15 +107,15 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
 def _check_output(cfg: GenerateConfig, work: WorkDir) -> tuple[Path, dict | None]:
     """Check the output paths and take the output's lock; returns the statistics path and the job.json of an
     interrupted run to resume (None: none, or --restart)."""
-    bio.check_output_path(cfg.output, overwrite=True)
-    stats_path = cfg.stats or bio.stats_path_for(cfg.output)
-    bio.check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
-    bio.check_writable(stats_path)
+    check_output_path(cfg.output, overwrite=True)
+    stats_path = cfg.stats or stats_path_for(cfg.output)
+    check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
+    check_writable(stats_path)
 
     # One writer per output: the lock, before anything is read or written.
     work.lock()
     for path in (cfg.output, stats_path):  # what a process killed while writing them left
-        bio.remove_stale_temps(path)
+        remove_stale_temps(path)
     saved_job = None  # the job.json of an interrupted run
     try:
         saved_job = work.read_job()
@@ -137,7 +139,7 @@ class _Source:
 
     output_format: str
     input_hash: str
-    inp: bio.InputTable | None = None  # None for a bucket directory (read once the target is loaded)
+    inp: InputTable | None = None  # None for a bucket directory (read once the target is loaded)
     overrides: dict[str, list] = dataclasses.field(default_factory=dict)
     bucket_dir: Path | None = None
     manifest: Manifest | None = None
@@ -214,7 +216,7 @@ def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
 
 
 def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
-                     target: models.LoadedModel) -> tuple[bio.InputTable, dict[str, list]]:
+                     target: models.LoadedModel) -> tuple[InputTable, dict[str, list]]:
     """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
     settings = tokenizer_settings(cfg, target_name)
     mismatched = {key: (manifest.settings.get(key), value) for key, value in settings.items()
@@ -231,7 +233,7 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
     table = table.drop_columns([c for c in (ROW_COLUMN, PROMPT_IDS_COLUMN) if c in table.column_names])
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
-    return bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
+    return InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
 
 
 def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
@@ -296,5 +298,5 @@ def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:
     low, high = bounds["min"].as_py(), bounds["max"].as_py()
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise bio.InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
-                             f"was the bucket directory made for another model?")
+        raise InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                         f"was the bucket directory made for another model?")
