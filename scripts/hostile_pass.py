@@ -116,8 +116,9 @@ class Pass:
         print(f"{'ok  ' if ok else 'FAIL'} {name:<58} exit {code} (want {expected}) {seconds:5.1f}s {detail}",
               flush=True)
 
-    def case(self, name, setup, expected, needle="", allowed=None, untouched=(), check=None, signals=()):
-        """setup(dir) -> argv; checks exit code, no traceback, untouched paths, leftovers, needle in stderr."""
+    def case(self, name, setup, expected, needle="", allowed=None, untouched=(), check=None, signals=(), ready=None):
+        """setup(dir) -> argv; checks exit code, no traceback, untouched paths, leftovers, needle in stderr.
+        ``ready(dir)``: the signals' first delay counts from when it first holds (see `run`)."""
         if not self.wanted(name):
             return
         where = self.case_dir(name)
@@ -125,7 +126,7 @@ class Pass:
         keep = [where / u for u in untouched]
         before = snapshot(*keep)
         present = {p.name for p in where.iterdir()}
-        code, err, seconds, _ = run(args, signals=signals)
+        code, err, seconds, _ = run(args, signals=signals, ready=(lambda: ready(where)) if ready else None)
         problems = []
         if code not in (expected if isinstance(expected, tuple) else (expected,)):
             problems.append("exit code")
@@ -526,9 +527,10 @@ def main() -> None:
         p.kill_case(f"SIGTERM {delay:.2f} s after the lock, rerun", [(delay, signal.SIGTERM)])
     p.kill_case("SIGTERM twice, rerun", [(1.5, signal.SIGTERM), (0.01, signal.SIGTERM)])
     p.kill_case("SIGHUP (terminal closed), rerun", [(1.0, signal.SIGHUP)])
-    p.case("SIGHUP 1.0 s after start writes the interrupted event", lambda w: ["generate", p.prompts(w),
+    p.case("SIGHUP once the log is open writes the interrupted event", lambda w: ["generate", p.prompts(w),
            w / "out.parquet", *p.base, "--log-json", w / "log.jsonl"], 129, "interrupted",
-           allowed={"log.jsonl"} | resumable, signals=[(1.0, signal.SIGHUP)],
+           allowed={"log.jsonl"} | resumable, signals=[(0.5, signal.SIGHUP)],
+           ready=lambda w: (w / "log.jsonl").exists(),
            check=lambda w: [] if '"event": "interrupted"' in (w / "log.jsonl").read_text() else ["no event"])
     p.kill_case("SIGINT then SIGKILL, rerun", [(1.0, signal.SIGINT), (0.05, signal.SIGKILL)])
     p.kill_case("SIGKILL during the final write, rerun", [(0, signal.SIGKILL)], at_final_write=True)
