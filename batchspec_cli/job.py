@@ -29,10 +29,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from buckets import BucketError, iter_bucket_rows
+from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
 from . import __version__
-from . import drafters
 from . import logprobs as lp
 from . import models
 from . import openai_batch
@@ -40,7 +39,7 @@ from . import outputs
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
 from .config import GenerateConfig, UsageError, os_error_message, settings_record, validate
-from .engine import Engine, EngineConfig, ModelHandle, pool_window
+from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .inputs import row_value
@@ -50,8 +49,8 @@ from .stops import StopStrings
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
 
-__all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "build_engine",
-           "metadata", "work_dir_for"]
+__all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "metadata",
+           "work_dir_for"]
 
 
 class Counted:
@@ -160,8 +159,7 @@ class Generation:
         self.cfg, self.work, self.plan = cfg, work, plan
         self.results: dict[int, RowResult] = {r.row: r for r in plan.resumed + plan.announce}
         self.stats: list[StepStats] = list(plan.resumed_stats)
-        self.preloads: list[tuple[list[int], list[int] | None]] = []  # saved rows (prompt, completion) drafters relearn
-        self.lookups: list = []  # this process's model-free drafters (see engine())
+        self._preloaded = False  # whether this process's engine has learnt the saved rows (engine())
         self.interrupted = False
         self._stop_signal: int | None = None
         self._stop_requested = False
@@ -228,16 +226,12 @@ class Generation:
                 if current is not None:
                     self._progress.seal(current)
                 current = bucket.index
-            rows = batch.column("__row").to_pylist()
-            ids = batch.column("__prompt_ids").to_pylist()
+            rows = batch.column(ROW_COLUMN).to_pylist()
+            ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
             for row, prompt in zip(rows, ids):
                 if row >= plan.total_rows:  # a bucket directory's row beyond --limit
                     continue
-                if row in skip:  # saved by an interrupted run: what it taught the drafters is taught again
-                    done = self.results[row]
-                    self.preloads.append((prompt, done.token_ids if done.finish_reason != "error" else None))
-                    for drafter in self.lookups:  # this process's engine (a Ray worker's: WorkerSpec.preload)
-                        drafter.preload(*self.preloads[-1])
+                if row in skip:  # saved by an interrupted run (its drafters' lessons: preloads)
                     continue
                 self._progress.handed_out(row, bucket.index)
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
@@ -254,11 +248,26 @@ class Generation:
         if current is not None:
             self._progress.seal(current)
 
+    def preloads(self) -> list[tuple[list[int], list[int] | None]]:
+        """The rows an interrupted run saved, as the drafters learn them again: (prompt, completion or None for an
+        error row), in run order. Read from the buckets only when the job resumed."""
+        plan, saved = self.plan, []
+        done = {r.row: r for r in plan.resumed + plan.announce}
+        if not done:
+            return saved
+        for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
+            for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
+                if row in done:
+                    result = done[row]
+                    saved.append((prompt, result.token_ids if result.finish_reason != "error" else None))
+        return saved
+
     def engine(self) -> Engine:
-        plan = self.plan
-        engine = build_engine(self.cfg, plan.mode, plan.target, plan.draft, plan.eos_ids, list(plan.lookup_names))
-        self.lookups = engine.lookups
-        return engine
+        """This process's engine (the plan's), taught the saved rows of an interrupted run once."""
+        if not self._preloaded:
+            self.plan.engine.preload(self.preloads())
+            self._preloaded = True
+        return self.plan.engine
 
     def stop(self, signal: int | None = None) -> None:
         """Ask the run to end after the current step (safe to call from a signal handler)."""
@@ -319,14 +328,11 @@ class Generation:
 
     # ------------------------------------------------------------------ output
     def texts(self, results: list[RowResult]) -> list[str]:
-        out = []
-        for r in results:
-            text = self.plan.tokenizer.decode(r.token_ids, skip_special_tokens=True)
-            if r.finish_reason == "stop_string":
-                stops = self.cfg.stop + row_value(self.plan.overrides.get("stop"), r.row, ())
-                text = text[: min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))]
-            out.append(text)
-        return out
+        """The rows' completions as text (a stop string and what follows it excluded: ``StopStrings.text``)."""
+        tokenizer, overrides = self.plan.tokenizer, self.plan.overrides.get("stop")
+        stops = StopStrings(tokenizer, self.cfg.stop)
+        return [stops.text(r.token_ids, row_value(overrides, r.row, ())) if r.finish_reason == "stop_string"
+                else tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
 
     def finish(self) -> dict:
         """Write both files atomically, remove the work directory; returns a summary."""
@@ -368,21 +374,6 @@ def _release(work: WorkDir, threads_before: int | None) -> None:
     except (CheckpointError, OSError):
         pass  # a work directory that cannot be cleaned is left as it is (the error is reported already)
     work.unlock()
-
-
-def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: models.LoadedModel | None,
-                 eos_ids: list[int], lookup_names: list[str]) -> Engine:
-    """The engine of one job for a set of loaded models: the one place an ``Engine`` is built
-    (a single-process run and every distributed worker go through it)."""
-    tokenizer = target.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
-                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
-    target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
-    draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
-    checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
-    return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
-                  lookups=drafters.make(lookup_names))
 
 
 def _transformers_version() -> str:

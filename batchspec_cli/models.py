@@ -10,8 +10,8 @@ A model *spec* is what the user typed after `--target` / `--draft`:
   reached; never a long wait.
 
 Every spec resolves to a local directory first, so tokenizers can be compared (`check_vocab`)
-before any weights are read. The engine realigns KV per row, which only full-attention
-caches allow: `check_supported` refuses everything else. Nothing here prints; every
+before any weights are read. The engine keeps every layer's KV per slot and masks it per
+layer type (full, sliding-window, chunked attention): `check_supported` refuses other layers. Nothing here prints; every
 failure the user can cause is a one-line `ModelError`.
 """
 
@@ -46,6 +46,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from . import attention
 from .errors import one_line
 
 
@@ -347,16 +348,22 @@ def load_tokenizer(spec: str | None, quiet: bool = False) -> tuple[PreTrainedTok
     return tokenizer, name
 
 
+def _supported_config(name: str, folder: Path) -> PreTrainedConfig:
+    """The model's config, refused (``check_supported``) before any weights are read."""
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelError(f"cannot read the config of model '{name}': {one_line(exc)}") from None
+    check_supported(config, name=name)
+    return config
+
+
 def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quiet: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer, ready for inference (eval, no grad, on device)."""
     torch_device = resolve_device(device)
     name, folder = _resolve(spec, quiet)
     with _quiet(quiet):
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except Exception as exc:
-            raise ModelError(f"cannot read the config of model '{name}': {one_line(exc)}") from None
-        check_supported(config, name=name)
+        config = _supported_config(name, folder)
         torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(config))
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -366,6 +373,7 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
     check_supported(model, name=name)
+    plain_experts(model)
     eos = eos_ids(model, tokenizer)
     if model.generation_config.pad_token_id is None and eos:
         model.generation_config.pad_token_id = eos[0]
@@ -414,6 +422,7 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     if not (folder / SHARED_DRAFT_FILE).is_file():
         draft = load_model(spec, dtype, device, quiet)
         draft.model.to(target.model.dtype)
+        plain_experts(draft.model)
         return draft
     from safetensors.torch import load_file
     from transformers import GenerationConfig
@@ -426,11 +435,8 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise ModelError(f"cannot load draft '{name}': {one_line(exc)}") from None
+    _check_borrowed_embeddings(name, config, meta, target)
     embed_in, embed_out = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
-    if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
-            embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
-        raise ModelError(f"draft '{name}' borrows the embeddings of {meta.get('target', 'another model')}; "
-                         f"they are not the embeddings of target '{target.name}'")
     head_ids = weights.pop("head_ids")
     with _quiet(quiet):
         model = AutoModelForCausalLM.from_config(config, dtype=tmodel.dtype)
@@ -447,6 +453,31 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     model.requires_grad_(False)
     check_supported(model, name=name)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
+
+
+def check_draft(spec: str, target: LoadedModel, quiet: bool = False) -> tuple[str, Path]:
+    """(display name, local directory) of a draft for ``target``, vetted without reading its weights: its config
+    must be supported, and a shared-embedding draft must have been trained against ``target``'s embeddings
+    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used)."""
+    name, folder = _resolve(spec, quiet)
+    with _quiet(quiet):
+        config = _supported_config(name, folder)
+    if (folder / SHARED_DRAFT_FILE).is_file():
+        try:
+            meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
+        except Exception as exc:
+            raise ModelError(f"cannot load draft '{name}': {one_line(exc)}") from None
+        _check_borrowed_embeddings(name, config, meta, target)
+    return name, folder
+
+
+def _check_borrowed_embeddings(name: str, config: PreTrainedConfig, meta: dict, target: LoadedModel) -> None:
+    """Refuse a shared-embedding draft for a target whose embeddings are not the ones it was trained against."""
+    embed_out = target.model.get_output_embeddings()
+    if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
+            embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
+        raise ModelError(f"draft '{name}' borrows the embeddings of {meta.get('target', 'another model')}; "
+                         f"they are not the embeddings of target '{target.name}'")
 
 
 def save_shared_draft(draft: PreTrainedModel, head_ids: torch.Tensor, target: PreTrainedModel,
@@ -509,7 +540,8 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 
 
 def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None = None) -> None:
-    """Refuse models whose KV cache cannot be realigned per row: only full attention everywhere.
+    """Refuse models whose attention the engine's masks cannot express: full, sliding-window and chunked
+    attention layers only (``attention.LAYER_TYPES``), every layer's KV cached per slot.
 
     Accepts a model or just its config (to refuse before reading the weights).
     """
@@ -518,29 +550,31 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model '{label}' is an encoder-decoder model; batchspec needs a decoder-only causal LM")
     text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        others = sorted({str(t) for t in layer_types} - {"full_attention"})
-        if others:
-            raise ModelError(
-                f"model '{label}' has {', '.join(others)} layers; batchspec can only realign full-attention KV caches"
-            )
-    elif getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False:
-        raise ModelError(
-            f"model '{label}' uses sliding-window attention (window {text.sliding_window}); "
-            "batchspec can only realign full-attention KV caches"
-        )
-    if getattr(text, "attention_chunk_size", None) is not None:
-        raise ModelError(f"model '{label}' uses chunked attention; batchspec can only realign full-attention KV caches")
+    kinds = set(attention.layer_types(text))
     try:  # what transformers itself would build for this config
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        inferred = set(get_layer_types_and_kwargs(text)[0])
+        built = set(get_layer_types_and_kwargs(text)[0])
     except Exception:
-        inferred = {"full_attention"}
-    if inferred - {"full_attention"}:
-        kinds = ", ".join(sorted(inferred - {"full_attention"}))
-        raise ModelError(f"model '{label}' has {kinds} cache layers; batchspec can only realign full-attention ones")
+        built = set()
+    others = sorted(kinds - set(attention.LAYER_TYPES)) or sorted(built - set(attention.LAYER_TYPES))
+    kinds |= built
+    if others:
+        raise ModelError(f"model '{label}' has {', '.join(others)} layers; batchspec supports full, sliding-window "
+                         "and chunked attention layers only")
+    windows = {getattr(c, "sliding_window", None) for c in getattr(text, "per_layer_config", None) or [text]}
+    if attention.SLIDING in kinds and (None in windows or len(windows) > 1):
+        raise ModelError(f"model '{label}' has sliding-window layers without one window size ({sorted(map(str, windows))})"
+                         "; batchspec supports a single window")
+    if attention.CHUNKED in kinds and getattr(text, "attention_chunk_size", None) is None:
+        raise ModelError(f"model '{label}' has chunked attention layers without an attention_chunk_size")
+
+
+def plain_experts(model: PreTrainedModel) -> None:
+    """Mixture-of-experts layers run transformers' eager experts in float64: its grouped-mm kernel has none."""
+    if (model.dtype == torch.float64 and model.config._experts_implementation not in (None, "eager")
+            and model._can_set_experts_implementation()):
+        model.set_experts_implementation("eager")
 
 
 def check_vocab(
