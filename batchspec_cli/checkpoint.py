@@ -43,7 +43,7 @@ from pathlib import Path
 
 from .errors import one_line
 from .events import RowResult, StepStats
-from .files import create_temp, fsync_directory, pid_alive
+from .files import create_temp, fsync_directory, naming, pid_alive
 from .outputs import read_table, results_from_table, results_table, stats_from_table, stats_table, write_table_atomic
 
 JOB_FORMAT = "batchspec-job"
@@ -186,7 +186,7 @@ class WorkDir:
         check_own_directory(self.path)
         tmp, fd = create_temp(self.job_path, mode=0o644)
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
+            with naming(self.job_path), os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
                 f.flush()
                 os.fsync(f.fileno())

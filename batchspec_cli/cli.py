@@ -2,8 +2,10 @@
 
 Exit codes: 0 success; 1 `verify` found an unexplained mismatch; 2 bad flags, input or
 models, or another run holds the output (one-line message, nothing written); 3 the run
-finished but some rows errored; 130 / 143 stopped by SIGINT / SIGTERM (finished rows are
-saved: rerunning the same command resumes).
+finished but some rows errored; 130 / 143 / 129 stopped by SIGINT / SIGTERM / SIGHUP (a
+closed terminal): finished rows are saved, rerunning the same command resumes. Other
+signals keep their default action (SIGQUIT, SIGUSR1 end the process at once, like SIGKILL:
+the rows of the parts saved so far are kept and a rerun resumes from them).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import time
@@ -42,8 +45,8 @@ from .config import DEFAULT, GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
 from .events import NonFiniteLogits, RowResult, StepStats
-from .files import check_distinct
-from .inputs import read_input
+from .files import check_distinct, naming
+from .inputs import TEXT_COLUMNS, read_input
 from .job import BucketDone, Generation, Interrupted, Started
 from .outputs import stats_path_for
 from .stats import acceptance_length
@@ -53,7 +56,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batc
 err = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE, EXIT_ROW_ERRORS = 2, 3
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # exit 128 + signal number: 130, 143
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # exit 128 + signal number: 130, 143, 129
 
 
 def _version(value: bool) -> None:
@@ -78,6 +81,9 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto|float32|bfloat16|fl
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda|cuda:N")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (for cron).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch.")]
+AllowSpecialOpt = Annotated[bool, typer.Option("--allow-special-tokens", help="Let a control token's string in a "
+                                               "prompt (<|im_end|>) be that control token. Default: prompt text "
+                                               "is text; control tokens come only from the chat template.")]
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -116,6 +122,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = DEFAULT.chat,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
     = DEFAULT.system,
+    allow_special_tokens: AllowSpecialOpt = DEFAULT.allow_special_tokens,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = DEFAULT.temperature,
     top_k: Annotated[int, typer.Option("--top-k")] = DEFAULT.top_k,
@@ -184,7 +191,8 @@ def generate(
         max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, temperature_column=temperature_column, seed_column=seed_column,
         max_new_tokens_column=max_new_tokens_column, top_p_column=top_p_column, stop_column=stop_column,
-        stop=tuple(stop or ()), chat=chat, system=system, prompt_column=prompt_column, id_column=id_column,
+        stop=tuple(stop or ()), chat=chat, system=system, allow_special_tokens=allow_special_tokens,
+        prompt_column=prompt_column, id_column=id_column,
         dtype=dtype, logprobs=logprobs, logprobs_column=logprobs_column, logprobs_mode=logprobs_mode,
         batch_size=batch_size, window=window, device=device, stats=stats, bucket_width=bucket_width,
         threads=threads, kernels=kernels, ray=ray, ray_address=ray_address, ray_workers=ray_workers,
@@ -250,7 +258,7 @@ class JsonLog:
 
 
 class StopNow(BaseException):
-    """A second SIGINT / SIGTERM: stop at once (what is saved stays saved; temporary files are removed)."""
+    """A second SIGINT / SIGTERM / SIGHUP: stop at once (what is saved stays saved; temporary files are removed)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -259,7 +267,7 @@ class StopNow(BaseException):
 
 @contextlib.contextmanager
 def _handling_signals(handler):
-    """``handler`` for SIGINT / SIGTERM while the block runs, the previous handlers after it."""
+    """``handler`` for the STOP_SIGNALS while the block runs, the previous handlers after it."""
     previous = {}
     for sig in STOP_SIGNALS:
         try:
@@ -274,7 +282,7 @@ def _handling_signals(handler):
 
 
 def _raise_on_signals():
-    """SIGINT / SIGTERM raise StopNow (the job is not running yet: there is nothing to finish first)."""
+    """SIGINT / SIGTERM / SIGHUP raise StopNow (the job is not running yet: there is nothing to finish first)."""
     def handler(signum, frame):
         raise StopNow(signum)
 
@@ -282,7 +290,7 @@ def _raise_on_signals():
 
 
 def _stop_on_signals(job: Generation):
-    """SIGINT / SIGTERM ask the job to stop after the current step; a second one acts at once."""
+    """SIGINT / SIGTERM / SIGHUP ask the job to stop after the current step; a second one acts at once."""
     def handler(signum, frame):
         if job.stop_requested:
             raise StopNow(signum)
@@ -468,6 +476,8 @@ def verify(
 
     if sample is not None and sample < 1:
         raise fail(f"--sample must be a positive integer, got {sample}")
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise fail(f"--tolerance must be a finite number >= 0, got {tolerance}")
     if threads:
         import torch
 
@@ -503,6 +513,8 @@ def stats_command(
 
     try:
         summaries = summarize(stats_file)
+    except InputError as exc:
+        raise fail(str(exc)) from None
     except (OSError, KeyError) as exc:
         raise fail(f"{stats_file}: not a readable batchspec statistics file ({exc})") from None
     except Exception as exc:  # pyarrow raises its own error types for corrupt files
@@ -541,6 +553,7 @@ def bucket(
     id_column: Annotated[str, typer.Option("--id-column")] = "id",
     chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
     system: Annotated[Optional[str], typer.Option("--system")] = None,
+    allow_special_tokens: AllowSpecialOpt = False,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width")] = None,
     min_rows: Annotated[int, typer.Option("--min-rows", help="Merge sparse lengths until a bucket has this many "
                                                             "rows (typically the batch size).")] = 8,
@@ -559,15 +572,20 @@ def bucket(
     try:
         inp = read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        rendered = render_prompts(inp, tokenizer, chat, system)
+        rendered = render_prompts(inp, tokenizer, chat, system, special_tokens=allow_special_tokens)
         if rendered.errors:
             row, error = min(rendered.errors.items())
             raise fail(f"{input}: row {row + 1}: {error}; `generate` would report it as an error row")
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
-                             id_column=id_column, chat=chat, system=system)
-        manifest = build_buckets(directory, inp.table, rendered.ids, tokenizer_settings(cfg, name), width=bucket_width,
-                                 min_rows=min_rows, overwrite=overwrite)
+                             id_column=id_column, chat=chat, system=system,
+                             allow_special_tokens=allow_special_tokens)
+        settings = tokenizer_settings(cfg, name) | ({TEXT_COLUMNS: sorted(inp.written)} if inp.written else {})
+        with naming(directory):
+            manifest = build_buckets(directory, inp.table, rendered.ids, settings, width=bucket_width,
+                                     min_rows=min_rows, overwrite=overwrite)
     except (InputError, models.ModelError, BucketError) as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:  # the machine refused a write (a full disk)
+        raise fail(os_error_message(exc)) from None
     Console(quiet=quiet, soft_wrap=True).print(f"wrote {manifest.total_rows} rows in {len(manifest.buckets)} buckets to {directory}",
                                highlight=False)

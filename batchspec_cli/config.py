@@ -82,6 +82,8 @@ class GenerateConfig:
     stop_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # string or list of them
     stop: tuple[str, ...] = setting((), fingerprint=True, metadata=True)
     chat: bool = setting(True, fingerprint=True, metadata=True, label="--chat/--no-chat")
+    # A control token's string in a prompt's text becomes that control token (prompts.render_prompt).
+    allow_special_tokens: bool = setting(False, fingerprint=True, metadata=True, recent=True)
     system: str | None = setting(None, fingerprint=True, metadata=True)
     prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
     id_column: str = setting("id", fingerprint=True, metadata=True)
@@ -203,6 +205,7 @@ def validate(cfg: GenerateConfig) -> None:
 
 
 def tokenizer_settings(cfg: GenerateConfig, target_name: str) -> dict:
-    """What determines the prompt token ids (the bucket directory's settings)."""
+    """What determines the prompt token ids (the bucket directory's settings; --allow-special-tokens only when
+    given, so the buckets of an earlier version still match)."""
     return {"target": target_name, "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
-            "id_column": cfg.id_column}
+            "id_column": cfg.id_column, **({"allow_special_tokens": True} if cfg.allow_special_tokens else {})}

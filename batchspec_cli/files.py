@@ -9,6 +9,7 @@ is gone (`pid_alive`, the one process-liveness check; checkpoint.py uses it for 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import os
@@ -17,7 +18,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .errors import InputError
+from .errors import InputError, one_line
 
 
 def check_readable_file(path: Path) -> None:
@@ -71,10 +72,18 @@ def check_output_path(out: Path, overwrite: bool) -> None:
 
 
 def check_writable(path: Path) -> None:
-    """`path` can be written by a rename in its directory: the directory exists and takes a new file."""
+    """`path` can be written by a rename in its directory: the directory exists and takes a new file, and
+    whatever `path` names now is a regular file or a link (a device or a FIFO is never replaced)."""
     path = Path(path)
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not a file")
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None  # absent (or unreachable: the checks below say why)
+    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed
+        raise InputError(f"{path}: is {_file_kind(mode)}, not a regular file; it is never replaced (--overwrite "
+                         f"neither): give another path")
     parent = path.parent
     if not parent.exists():
         raise InputError(f"{path}: directory {parent} does not exist")
@@ -182,12 +191,23 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def naming(path: Path):
+    """An OSError raised inside that names no file (a full disk under a writer that got no path) names ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or one_line(exc), str(path)) from exc
+
+
 def replace_atomic(out: Path, write) -> None:
     """``write(binary file)`` into a temp file in OUT's directory, fsync, rename onto OUT, fsync the directory."""
     directory = out.parent
     tmp, fd = create_temp(out)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(out), os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

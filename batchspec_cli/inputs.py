@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from .outputs import EXTRA_OUTPUT_COLUMNS, METADATA_KEY, OUTPUT_COLUMNS
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 DEFAULT_ID_COLUMN = "id"
+MAX_NESTING = 32  # a column nested deeper (lists / objects in lists...) is stored as JSON text: Parquet's limit is ~50
 
 Prompt = str | list[dict]
 
@@ -33,13 +35,24 @@ Prompt = str | list[dict]
 @dataclass
 class InputTable:
     path: Path
-    table: pa.Table  # every input column as read (after --limit), in input order
-    prompts: list[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]
+    table: pa.Table  # every input column as read (after --limit), in input order: what the output passes through
+    prompts: list[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]; "" for a row in errors
     ids: list[str]  # [rows] the row's id as a string
     # Only for inputs that carry their own per-row requests (an OpenAI batch file, see openai_batch):
     overrides: dict[str, list] = field(default_factory=dict)  # setting -> [rows] value or None (as row_overrides)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
     endpoints: list[str] | None = None  # [rows] "/v1/chat/completions" | "/v1/completions"
+    # column -> [rows] its values as the input wrote them, for the columns `table` holds as JSON text (a JSONL
+    # column that mixes kinds, one nested deeper than MAX_NESTING): what the per-row settings read (`values`).
+    written: dict[str, list] = field(default_factory=dict)
+
+    def values(self, column: str) -> list:
+        """[rows] a column's values as the input wrote them (a list stays a list; not its text in `table`)."""
+        return self.written[column] if column in self.written else self.table.column(column).to_pylist()
+
+
+class BadPrompt(ValueError):
+    """A prompt cell that is no prompt (null, empty, a message without text...): its row becomes an error row."""
 
 
 def read_input(
@@ -63,30 +76,21 @@ def read_input(
         shown = f"'{path.suffix}'" if path.suffix else "no suffix"
         raise InputError(f"{path}: unsupported input format ({shown}); accepted: {accepted}")
     check_readable_file(path)
-
-    if suffix in JSONL_SUFFIXES:
-        table, raw_rows, where = read_jsonl(path, limit)
-
-        def column_values(name: str) -> list[Any]:
-            return [row.get(name) for row in raw_rows]
-    else:
-        table = _read_parquet(path, limit)
-        where = [f"row {i + 1}" for i in range(table.num_rows)]
-
-        def column_values(name: str) -> list[Any]:
-            return table.column(name).to_pylist()
-
-    return table_input(path, table, prompt_column, id_column, where, column_values)
+    if suffix in PARQUET_SUFFIXES:
+        return table_input(path, _read_parquet(path, limit), prompt_column, id_column)
+    lines = read_jsonl(path, limit, soft=prompt_column)
+    table, written = jsonl_table(lines.rows)
+    return table_input(path, table, prompt_column, id_column, lines.where, written, lines.bad)
 
 
 def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str, where: list[str] | None = None,
-                column_values=None) -> InputTable:
+                written: dict[str, list] | None = None, errors: dict[int, str] | None = None) -> InputTable:
     """Validate a table read from any source and extract prompts and ids (see read_input).
 
-    ``where[i]`` names row i in messages (default "row i+1"); ``column_values(name)`` gives a
-    column's cells (default: the table's own)."""
+    ``where[i]`` names row i in messages (default "row i+1"); ``written``: the values as written of the
+    columns the table holds as text (InputTable.written); ``errors``: rows already refused (an error row each).
+    A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input."""
     where = where if where is not None else [f"row {i + 1}" for i in range(table.num_rows)]
-    column_values = column_values or (lambda name: table.column(name).to_pylist())
     if table.num_rows == 0:
         raise InputError(f"{path}: no rows")
     names = table.column_names
@@ -107,21 +111,58 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
             raise InputError(
                 f"{path}: input column '{name}' clashes with an output column; rename it"
             )
-
-    prompts = [
-        parse_prompt(value, path, where[i], prompt_column)
-        for i, value in enumerate(column_values(prompt_column))
-    ]
+    table, written = _storable(table, dict(written or {}))
+    inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written)
+    for row, value in enumerate(inp.values(prompt_column)):
+        prompt = ""
+        if row not in inp.errors:
+            try:
+                prompt = parse_prompt(value, prompt_column)
+            except BadPrompt as exc:
+                inp.errors[row] = str(exc)
+        inp.prompts.append(prompt)
     if id_column in names:
-        ids = [_parse_id(v, path, where[i], id_column) for i, v in enumerate(column_values(id_column))]
-        check_unique(ids, path, id_column)
+        inp.ids = [_parse_id(v, path, where[i], id_column) for i, v in enumerate(inp.values(id_column))]
+        check_unique(inp.ids, path, id_column)
     else:
-        ids = [str(i) for i in range(table.num_rows)]
-    return InputTable(path=path, table=table, prompts=prompts, ids=ids)
+        inp.ids = [str(i) for i in range(table.num_rows)]
+    return inp
 
 
-def read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], list[str]]:
-    """Parse JSON lines; return the table, the parsed rows and each row's 'line N'."""
+def _storable(table: pa.Table, written: dict[str, list]) -> tuple[pa.Table, dict[str, list]]:
+    """The table with every column nested deeper than MAX_NESTING as JSON text (Parquet could not read it back),
+    and the values as written of those columns added to ``written``."""
+    for index, name in enumerate(table.column_names):
+        if _nesting(table.schema.field(index).type) > MAX_NESTING:
+            values = written.setdefault(name, table.column(name).to_pylist())
+            table = table.set_column(index, name, _text_array(values))
+    return table, written
+
+
+def _nesting(t: pa.DataType) -> int:
+    """How deeply lists and structs nest in an Arrow type (a flat type: 0)."""
+    if pa.types.is_struct(t):
+        return 1 + max((_nesting(t.field(i).type) for i in range(t.num_fields)), default=0)
+    if pa.types.is_map(t):
+        return 1 + max(_nesting(t.key_type), _nesting(t.item_type))
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return 1 + _nesting(t.value_type)
+    return 0
+
+
+@dataclass
+class JsonLines:
+    rows: list[dict]  # [rows] each line's object
+    where: list[str]  # [rows] "line N" (1-based, blank lines counted)
+    bad: dict[int, str] = field(default_factory=dict)  # row -> why its `soft` field cannot be used (an error row)
+
+
+def read_jsonl(path: Path, limit: int | None, soft: str | None = None) -> JsonLines:
+    """Parse JSON lines (InputError naming the line on anything malformed).
+
+    A lone UTF-16 surrogate escape (``"\\ud800"``) cannot be stored as UTF-8: in the field
+    ``soft`` (the prompt) it makes the row an error row, the field kept with the escape as
+    text; anywhere else it refuses the file, naming the line and column."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -129,10 +170,9 @@ def read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], lis
         raise InputError(f"{path}: cannot read the file ({e.strerror or e})") from None
     if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
         data = data[3:]
-    rows: list[dict] = []
-    where: list[str] = []
+    out = JsonLines([], [])
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        if limit is not None and len(rows) >= limit:
+        if limit is not None and len(out.rows) >= limit:
             break
         try:
             line = raw.decode("utf-8")
@@ -154,29 +194,94 @@ def read_jsonl(path: Path, limit: int | None) -> tuple[pa.Table, list[dict], lis
             raise InputError(
                 f"{path}: line {lineno}: expected a JSON object, got {_json_kind(value)}"
             )
-        rows.append(value)
-        where.append(f"line {lineno}")
+        if _SURROGATE_ESCAPE.search(line):  # only an escape can make one: the line itself is valid UTF-8
+            for key in list(value):
+                if _has_surrogate(key) or (key != soft and _has_surrogate(value[key])):
+                    what = "a column name" if _has_surrogate(key) else f"column {key!r}"
+                    raise InputError(f"{path}: line {lineno}{_surrogate_column(line)}: {what} holds a lone UTF-16 "
+                                     f"surrogate escape, which UTF-8 cannot store")
+            if soft in value and _has_surrogate(value[soft]):
+                out.bad[len(out.rows)] = (f"column {soft!r} holds a lone UTF-16 surrogate escape, which UTF-8 cannot "
+                                          f"store (kept as its escape text)")
+                value[soft] = _escape_surrogates(value[soft])
+        out.rows.append(value)
+        out.where.append(f"line {lineno}")
+    return out
 
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _has_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_surrogate(k) or _has_surrogate(v) for k, v in value.items())
+    return False
+
+
+def _escape_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate written as its escape text (``\\ud800``)."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, list):
+        return [_escape_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_escape_surrogates(k): _escape_surrogates(v) for k, v in value.items()}
+    return value
+
+
+def _surrogate_column(line: str) -> str:
+    """", column N" of the first lone surrogate escape in a JSON line ("" where none is found)."""
+    escapes = list(_SURROGATE_ESCAPE.finditer(line))
+    for i, match in enumerate(escapes):
+        high = match.group()[3] in "89abAB"
+        paired = high and i + 1 < len(escapes) and escapes[i + 1].start() == match.end() \
+            and escapes[i + 1].group()[3] not in "89abAB"
+        after_high = i > 0 and escapes[i - 1].end() == match.start() and escapes[i - 1].group()[3] in "89abAB"
+        if not paired and not (not high and after_high):
+            return f", column {match.start() + 1}"
+    return ""
+
+
+def jsonl_table(rows: list[dict]) -> tuple[pa.Table, dict[str, list]]:
+    """JSON objects as a table (columns in first-seen order) and the values as written of the columns held as
+    JSON text (see `_column_array`)."""
     names: dict[str, None] = {}  # ordered union of keys, first-seen order
     for row in rows:
         names.update(dict.fromkeys(row))
-    columns = {name: _column_array([row.get(name) for row in rows]) for name in names}
-    table = pa.table(columns) if columns else pa.table({})
-    return table, rows, where
+    columns, written = {}, {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        columns[name], as_text = _column_array(values)
+        if as_text:
+            written[name] = values
+    return (pa.table(columns) if columns else pa.table({})), written
 
 
-def _column_array(values: list[Any]) -> pa.Array:
-    """Values of one JSONL column as an Arrow array.
+def _column_array(values: list[Any]) -> tuple[pa.Array, bool]:
+    """Values of one JSONL column as an Arrow array, and whether it holds them as text.
 
     A column whose values do not unify into one Arrow type (a string in one row, a list in
-    another) becomes a string column: strings stay as they were, every other value is its
-    JSON text (nulls stay null)."""
+    another, an integer too big for 64 bits) becomes a string column: strings stay as they were, every other
+    value is its JSON text (nulls stay null)."""
     try:
         array = pa.array(values)
         if not _has_empty_struct(array.type):  # Parquet cannot store struct<>
-            return array
+            return array, False
     except (pa.ArrowException, OverflowError, TypeError, ValueError, RecursionError):
         pass
+    return _text_array(values), True
+
+
+def _text_array(values: list[Any]) -> pa.Array:
+    """Strings as they are, every other value as its JSON text, nulls as nulls."""
     return pa.array([v if v is None or isinstance(v, str) else json.dumps(v) for v in values], type=pa.string())
 
 
@@ -218,43 +323,54 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def parse_prompt(value: Any, path: Path, where: str, column: str) -> Prompt:
-    """One prompt cell as a string or chat messages; InputError naming the row and column."""
-    at = f"{path}: {where}: column '{column}'"
+def parse_prompt(value: Any, column: str) -> Prompt:
+    """One prompt cell as a string or chat messages; BadPrompt saying what is wrong with it."""
+    at = f"column '{column}'"
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        raise InputError(f"{at} is null")
+        raise BadPrompt(f"{at} is null")
     if isinstance(value, str):
         if not value.strip():
-            raise InputError(f"{at} is empty")
+            raise BadPrompt(f"{at} is empty")
         return value
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):  # Spec-Bench `turns`: use the first turn
             if not value[0].strip():
-                raise InputError(f"{at}: first turn is empty")
+                raise BadPrompt(f"{at}: first turn is empty")
             return value[0]
         if all(isinstance(v, dict) for v in value):
             return parse_messages(value, at)
     if isinstance(value, list) and not value:
-        raise InputError(f"{at} is an empty list")
-    raise InputError(
-        f"{at}: expected a string, a list of strings or a list of chat messages, "
-        f"got {type(value).__name__}"
-    )
+        raise BadPrompt(f"{at} is an empty list")
+    raise BadPrompt(f"{at}: expected a string, a list of strings or a list of chat messages, "
+                    f"got {type(value).__name__}")
 
 
 def parse_messages(value: list[dict], at: str) -> list[dict]:
+    """Chat messages with a string role and text content; content parts of type text (OpenAI's
+    ``[{"type": "text", "text": ...}]``) are joined by newlines. BadPrompt naming the message."""
     messages = []
     for j, m in enumerate(value, start=1):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
-            raise InputError(f"{at}: message {j} has no string 'role'")
+            raise BadPrompt(f"{at}: message {j} has no string 'role'")
+        if isinstance(content, list):
+            content = _joined_parts(content, f"{at}: message {j}")
         if not isinstance(content, str):
-            raise InputError(f"{at}: message {j} has no string 'content'")
+            raise BadPrompt(f"{at}: message {j} has no string 'content'")
         # Parquet structs give every field to every message: drop the null ones.
-        messages.append({k: v for k, v in m.items() if v is not None})
+        messages.append({k: v for k, v in m.items() if v is not None} | {"content": content})
     if not any(m["content"].strip() for m in messages):
-        raise InputError(f"{at}: every message is empty")
+        raise BadPrompt(f"{at}: every message is empty")
     return messages
+
+
+def _joined_parts(parts: list, at: str) -> str:
+    """The text of content parts, all of type text, joined by newlines (as vLLM does)."""
+    parts = [{k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part for part in parts]
+    if not parts or not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                            for p in parts):
+        raise BadPrompt(f"{at}: only text content parts are supported")
+    return "\n".join(part["text"] for part in parts)
 
 
 def _parse_id(value: Any, path: Path, where: str, column: str) -> str:
@@ -323,44 +439,68 @@ OVERRIDES = {  # name -> (config attribute naming the column, type, smallest val
 LARGEST = {"logprobs": MAX_TOP_LOGPROBS}  # overrides with an upper bound
 
 
-def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
-    """Per-row temperature / seed / max_new_tokens / top_p / stop strings from input columns; InputError on a bad
-    cell."""
+def setting_columns(cfg: GenerateConfig) -> list[str]:
+    """The input columns the per-row settings read (--temperature-column ... --stop-column)."""
+    named = [getattr(cfg, attr) for attr, *_ in OVERRIDES.values()] + [cfg.stop_column]
+    return [column for column in named if column is not None]
+
+
+TEXT_COLUMNS = "text_columns"  # a bucket directory's setting: the columns it holds as JSON text (InputTable.written)
+
+
+def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
+    """Per-row temperature / seed / max_new_tokens / top_p / logprobs / stop strings from input columns, read from
+    the values as the input wrote them (a list stays a list in a column that mixes kinds); InputError on a bad cell.
+    """
     out = {}
     for name, (attr, kind, smallest, flag) in OVERRIDES.items():
         column = getattr(cfg, attr)
         if column is None:
             continue
-        if column not in table.column_names:
+        if column not in inp.table.column_names:
             raise InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
         values = []
-        for i, value in enumerate(table.column(column).to_pylist()):
+        for i, value in enumerate(inp.values(column)):
             if value is None or (isinstance(value, float) and value != value):
                 values.append(None)
                 continue
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if ok and kind is int:
-                ok = float(value).is_integer()
+            number = _as_number(value, kind)
             largest = LARGEST.get(name)
-            if not ok or (smallest is not None and value < smallest) or (largest is not None and value > largest) \
-                    or (name == "top_p" and not 0 < value <= 1):
+            if number is None or (smallest is not None and number < smallest) \
+                    or (largest is not None and number > largest) or (name == "top_p" and not 0 < number <= 1):
                 bound = (" in (0, 1]" if name == "top_p" else
-                         f"{'' if smallest is None else f' >= {smallest:g}'}{'' if largest is None else f' and <= {largest:g}'}")
+                         f"{'' if smallest is None else f' >= {smallest:g}'}"
+                         f"{'' if largest is None else f' and <= {largest:g}'}")
                 raise InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
                                  f"{'a number' if kind is float else 'an integer'}{bound}, got {value!r}")
-            values.append(kind(value))
+            values.append(number)
         out[name] = values
     if cfg.stop_column is not None:
-        out["stop"] = stop_cells(table, cfg.stop_column, cfg.input)
+        out["stop"] = stop_cells(inp, cfg.stop_column, cfg.input)
     return out
 
 
-def stop_cells(table, column: str, source) -> list[tuple[str, ...]]:
-    """Per-row stop strings from a column of strings or lists of strings (null: none of its own)."""
-    if column not in table.column_names:
+def _as_number(value: Any, kind: type) -> int | float | None:
+    """A JSON number as ``kind`` (any integer for int: a seed of 2**70 too; an integral float is one), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if kind is int:
+        if isinstance(value, int):
+            return value
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float
+        return None
+    return number if math.isfinite(number) else None
+
+
+def stop_cells(inp: InputTable, column: str, source) -> list[tuple[str, ...]]:
+    """Per-row stop strings from a column of strings or lists of strings, as written (null: none of its own)."""
+    if column not in inp.table.column_names:
         raise InputError(f"{source}: --stop-column names column {column!r}, which is not in the input")
     out = []
-    for i, value in enumerate(table.column(column).to_pylist()):
+    for i, value in enumerate(inp.values(column)):
         stops = () if value is None else (value,) if isinstance(value, str) else value
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "

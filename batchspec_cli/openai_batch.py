@@ -50,7 +50,7 @@ from . import __version__
 from .errors import InputError
 from .events import RowResult, TokenLogprob
 from .files import check_readable_file, write_text_atomic
-from .inputs import JSONL_SUFFIXES, InputTable, Prompt, check_unique, parse_messages, read_jsonl
+from .inputs import JSONL_SUFFIXES, BadPrompt, InputTable, Prompt, check_unique, parse_messages, read_jsonl
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -71,7 +71,8 @@ class RequestError(Exception):
 
 
 def is_batch_file(path: Path) -> bool:
-    """A JSONL file whose first non-blank line is an object with ``custom_id`` and ``body``."""
+    """A JSONL file whose first non-blank line is a request: an object whose ``body`` is an object, beside
+    ``custom_id``, ``url`` or ``method`` (a line that lacks one of them is then reported by read_batch)."""
     path = Path(path)
     if path.suffix.lower() not in JSONL_SUFFIXES or not path.is_file():
         return False
@@ -80,7 +81,8 @@ def is_batch_file(path: Path) -> bool:
             for raw in f:
                 if raw.strip():
                     first = json.loads(raw.decode("utf-8-sig"))
-                    return isinstance(first, dict) and "custom_id" in first and "body" in first
+                    return isinstance(first, dict) and isinstance(first.get("body"), dict) \
+                        and bool({"custom_id", "url", "method"} & set(first))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return False  # the JSONL reader reports what is wrong with the file
     return False
@@ -107,7 +109,8 @@ def read_batch(path: Path, limit: int | None = None) -> InputTable:
     if limit is not None and limit < 1:
         raise InputError(f"{path}: --limit must be at least 1 (got {limit})")
     check_readable_file(path)
-    _, lines, where = read_jsonl(path, limit)  # the file reader's own line checks
+    read = read_jsonl(path, limit, soft="body")  # the file reader's own line checks
+    lines, where = read.rows, read.where
     if not lines:
         raise InputError(f"{path}: no rows")
     ids, prompts, endpoints, errors = [], [], [], {}
@@ -121,6 +124,8 @@ def read_batch(path: Path, limit: int | None = None) -> InputTable:
         url = line.get("url")
         endpoints.append(url if url in (CHAT, COMPLETIONS) else CHAT)
         try:
+            if row in read.bad:
+                raise RequestError(read.bad[row].replace("column 'body'", "'body'"))
             prompt, values = parse_request(line)
         except RequestError as exc:
             prompt, values = "", {}
@@ -249,17 +254,11 @@ def _messages(messages) -> list[dict]:
         if not isinstance(message, dict):
             raise RequestError(f"message {j} is not an object")
         _refuse_unknown(f"message {j}", set(message) - {"role", "content", "name"})
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only, joined by newlines (as vLLM does)
-            kinds = {part.get("type") if isinstance(part, dict) else None for part in content}
-            if kinds != {"text"} or not all(isinstance(part.get("text"), str) for part in content):
-                raise RequestError(f"message {j}: only text content parts are supported")
-            content = "\n".join(part["text"] for part in content)
         role = "system" if message.get("role") == "developer" else message.get("role")
-        out.append({**message, "role": role, "content": content})
+        out.append({**message, "role": role})
     try:
-        return parse_messages(out, "'messages'")
-    except InputError as exc:
+        return parse_messages(out, "'messages'")  # content parts of type text are joined there
+    except BadPrompt as exc:
         raise RequestError(str(exc)) from None
 
 

@@ -16,6 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
                      read_all_rows, settings_hash)
 
@@ -29,8 +32,8 @@ from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_rec
 from .engine import Engine
 from .errors import InputError
 from .events import RowResult, StepStats
-from .files import check_distinct, check_output_path, check_writable, remove_stale_temps
-from .inputs import InputTable, row_overrides
+from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
+from .inputs import TEXT_COLUMNS, InputTable, row_overrides, setting_columns
 from .outputs import stats_path_for
 from .prompts import render_prompts
 
@@ -157,7 +160,7 @@ def _read_input(cfg: GenerateConfig) -> _Source:
     inp, input_hash = sources.read(cfg)
     if ROW_COLUMN in inp.table.column_names or PROMPT_IDS_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: column names {ROW_COLUMN} and {PROMPT_IDS_COLUMN} are reserved")
-    return _Source(output_format, input_hash, inp, {**row_overrides(inp.table, cfg), **inp.overrides})
+    return _Source(output_format, input_hash, inp, {**row_overrides(inp, cfg), **inp.overrides})
 
 
 def _load(cfg: GenerateConfig, stats_path: Path, source: _Source) -> JobPlan:
@@ -218,13 +221,18 @@ def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
 def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
                      target: models.LoadedModel) -> tuple[InputTable, dict[str, list]]:
     """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
-    settings = tokenizer_settings(cfg, target_name)
-    mismatched = {key: (manifest.settings.get(key), value) for key, value in settings.items()
-                  if key != "id_column" and manifest.settings.get(key) != value}
+    recorded = {"allow_special_tokens": False, **manifest.settings}  # recorded only when given
+    settings = {"allow_special_tokens": False, **tokenizer_settings(cfg, target_name)}
+    mismatched = {key: (recorded.get(key), value) for key, value in settings.items()
+                  if key != "id_column" and recorded.get(key) != value}
     if mismatched:
         detail = "; ".join(f"{k}: bucketed with {a!r}, now {b!r}" for k, (a, b) in mismatched.items())
         raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
                          f"rerun `batchspec bucket` with these settings")
+    as_text = [c for c in setting_columns(cfg) if c in (manifest.settings.get(TEXT_COLUMNS) or ())]
+    if as_text:
+        raise UsageError(f"{cfg.input}: column {as_text[0]!r} mixes kinds of values (strings and lists, say), and a "
+                         f"bucket directory keeps it as text; give `generate` the prompts file itself")
     table = read_all_rows(cfg.input, manifest)
     check_token_ids(table.column(PROMPT_IDS_COLUMN), target.model.get_input_embeddings().num_embeddings, cfg.input)
     id_column = manifest.settings.get("id_column", "id")
@@ -233,16 +241,20 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
     table = table.drop_columns([c for c in (ROW_COLUMN, PROMPT_IDS_COLUMN) if c in table.column_names])
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
-    return InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
+    inp = InputTable(path=cfg.input, table=table, prompts=[], ids=ids)
+    return inp, row_overrides(inp, cfg)
 
 
 def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
     """Tokenize every prompt once and write the length buckets into the work directory; the prompts
     that failed become ``announce`` error rows."""
     most_tokens, what = _prompt_token_limit(cfg, plan.target)
-    rendered = render_prompts(plan.inp, plan.tokenizer, cfg.chat, cfg.system, most_tokens, what)
-    manifest = build_buckets(work.buckets, plan.inp.table, rendered.ids, tokenizer_settings(cfg, plan.target_name),
-                             width=cfg.bucket_width, min_rows=cfg.batch_size, overwrite=True)
+    rendered = render_prompts(plan.inp, plan.tokenizer, cfg.chat, cfg.system, most_tokens, what,
+                              cfg.allow_special_tokens)
+    with naming(work.buckets):
+        manifest = build_buckets(work.buckets, plan.inp.table, rendered.ids,
+                                 tokenizer_settings(cfg, plan.target_name), width=cfg.bucket_width,
+                                 min_rows=cfg.batch_size, overwrite=True)
     failed = tuple(RowResult(row, plan.inp.ids[row], [], "error", error=error)
                    for row, error in sorted(rendered.errors.items()))
     return dataclasses.replace(plan, bucket_dir=work.buckets, manifest=manifest, announce=failed)
@@ -273,7 +285,8 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
         settings = tokenizer_settings(cfg, plan.target_name)
         try:
             manifest = open_buckets(work.buckets)
-            ok = manifest.settings_hash == settings_hash(settings)
+            ok = manifest.settings_hash == settings_hash(settings) and all(
+                _readable(work.buckets / b.shard) for b in manifest.buckets)
         except BucketError:
             ok = False
         if ok:
@@ -285,6 +298,15 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
             plan = dataclasses.replace(plan, announce=tuple(r for r in plan.announce if r.row not in resumed))
             work.save_part(list(plan.announce), [])
     return dataclasses.replace(plan, notes=plan.notes + tuple(notes))
+
+
+def _readable(shard: Path) -> bool:
+    """Does a bucket shard open? (An earlier version could write one that Parquet cannot read back.)"""
+    try:
+        pq.read_schema(shard)
+    except (OSError, pa.ArrowException):
+        return False
+    return True
 
 
 def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:

@@ -6,6 +6,7 @@ is kept by row (`generate` writes it as the row's error; `bucket` refuses the in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,13 @@ from .errors import one_line
 from .inputs import InputTable, Prompt
 
 
-def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None) -> list[int]:
-    """Token ids of one prompt: through the chat template when asked and available."""
+def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None, special_tokens: bool = False) -> list[int]:
+    """Token ids of one prompt: through the chat template when asked and available.
+
+    The text of a prompt or a message is tokenized as text: a control token's string in it
+    (``<|im_end|>``) stays characters, so a prompt cannot forge a turn; control tokens come
+    only from the chat template. ``special_tokens`` (--allow-special-tokens) lets them be
+    control tokens. A prompt holding no such string tokenizes the same either way."""
     if chat and getattr(tokenizer, "chat_template", None):
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
@@ -24,6 +30,8 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None) -> 
             messages = [dict(m) for m in prompt]
         if system is not None and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system})
+        if not special_tokens and _holds_control_text(tokenizer, [m["content"] for m in messages]):
+            return _template_around_text(tokenizer, messages)
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(out, Mapping) or hasattr(out, "keys"):
             out = out["input_ids"]
@@ -31,7 +39,43 @@ def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None) -> 
     text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
     if system is not None:
         text = f"{system}\n\n{text}"
-    return _as_int_list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    literal = {"split_special_tokens": True} if not special_tokens and _holds_control_text(tokenizer, [text]) else {}
+    return _as_int_list(tokenizer(text, add_special_tokens=True, **literal)["input_ids"])
+
+
+def _control_strings(tokenizer) -> list[str]:
+    """The strings a tokenizer turns into its special (control) tokens wherever they occur in text."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})  # {id: AddedToken}
+    return [t.content for t in added.values() if t.special and t.content]
+
+
+def _holds_control_text(tokenizer, texts: list[str]) -> bool:
+    strings = _control_strings(tokenizer)
+    return any(s in text for text in texts for s in strings)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")  # a message's place in the rendered template (private-use characters)
+
+
+def _template_around_text(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's own text tokenized with its control tokens, each message's text tokenized as text.
+
+    The template is rendered around a mark in place of each message's content; a template that
+    changes the content it is given (and so loses a mark) cannot be rendered this way."""
+    marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    pieces = _MARK.split(rendered)  # template text, message index, template text, ...
+    if sorted(int(i) for i in pieces[1::2]) != list(range(len(messages))):
+        raise ValueError("the chat template changes the message text, and a message holds a control token's "
+                         "string; pass --allow-special-tokens to let it be a control token")
+    ids: list[int] = []
+    for j, piece in enumerate(pieces):
+        if j % 2:
+            ids += tokenizer(messages[int(piece)]["content"], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 MIN_BYTES_PER_TOKEN = 16  # the byte bound below never assumes tokens shorter than this
@@ -70,8 +114,8 @@ class RenderedPrompts:
 
 
 def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
-                   most_tokens: int | None = None, what: str = "") -> RenderedPrompts:
-    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added).
+                   most_tokens: int | None = None, what: str = "", special_tokens: bool = False) -> RenderedPrompts:
+    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added; see render_prompt).
 
     A row fails, in this order, when the input refused it already (``inp.errors``: an OpenAI
     batch line), when its text has more bytes than ``most_tokens`` tokens could hold (refused
@@ -91,7 +135,7 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
             continue
         raw = openai_batch.is_text_completion(inp, row)
         try:
-            ids[row] = render_prompt(tokenizer, prompt, chat and not raw, None if raw else system)
+            ids[row] = render_prompt(tokenizer, prompt, chat and not raw, None if raw else system, special_tokens)
         except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
             errors[row] = f"cannot render the prompt: {one_line(exc)}"
     return RenderedPrompts(ids, errors)

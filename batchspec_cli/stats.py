@@ -27,6 +27,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from .errors import InputError
+from .outputs import stats_path_for
+
 SPEC_KINDS = ("same_length", "realigned")
 
 
@@ -98,9 +101,20 @@ def arms(decode: list[dict]) -> dict[str, ArmSummary]:
     return out
 
 
+USED_COLUMNS = ("bucket", "group_kind", "k", "batch_size", "tokens_emitted", "accepted", "total_ms", "realign_ms",
+                "gather_ms", "kv_moved", "kv_gathered")  # the StepStats fields every summary reads
+
+
 def summarize(path: Path) -> list[Summary]:
-    """Per-bucket summaries followed by the overall one."""
-    rows = pq.read_table(path).to_pylist()
+    """Per-bucket summaries followed by the overall one; InputError for a file that is no statistics file."""
+    table = pq.read_table(path)
+    missing = [c for c in USED_COLUMNS if c not in table.column_names]
+    if missing:
+        hint = (f"; it looks like a completions file: its statistics are in {stats_path_for(path)}"
+                if "completion_token_ids" in table.column_names else "")
+        raise InputError(f"{path}: not a batchspec statistics file (no column {', '.join(map(repr, missing[:3]))}"
+                         f"{hint})")
+    rows = table.to_pylist()
     buckets = sorted({r["bucket"] for r in rows})
     out = [summarize_rows(f"bucket {b}", [r for r in rows if r["bucket"] == b]) for b in buckets]
     out.append(summarize_rows("overall", rows))

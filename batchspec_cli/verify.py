@@ -21,7 +21,7 @@ import torch
 from . import models
 from . import sampling
 from .errors import InputError
-from .inputs import parse_prompt, read_completions, read_run_metadata
+from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt, read_completions, read_run_metadata
 from .prompts import render_prompt
 
 DEFAULT_TOLERANCE = 1e-3
@@ -67,6 +67,9 @@ def _model_spec(meta: dict, key: str) -> str | None:
 def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
                device: str = "auto", dtype: str | None = None, progress=None) -> VerifyReport:
     """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
+    if Path(path).suffix.lower() in JSONL_SUFFIXES:
+        raise InputError(f"{path}: JSON lines; `verify` checks the Parquet completions file `generate` writes "
+                         f"(an OpenAI Batch output holds no token ids: to verify a run, write OUT as .parquet)")
     meta = read_run_metadata(path)
     table = read_completions(path)
     missing = [c for c in ("id", "completion_token_ids", "finish_reason") if c not in table.column_names]
@@ -87,8 +90,12 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance)
     for i in candidates:
         r = rows[i]
-        prompt = parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
-        prompt_ids = render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
+        try:
+            prompt = parse_prompt(r[prompt_column], prompt_column)
+        except BadPrompt as exc:
+            raise InputError(f"{path}: row {i + 1}: {exc}") from None
+        prompt_ids = render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"),
+                                   bool(meta.get("allow_special_tokens", False)))
         run = list(r["completion_token_ids"])
         noise = _noise_for(meta, r, len(prompt_ids), model.device)
         ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise)

@@ -1,7 +1,7 @@
 """A hostile-input pass over the real `batchspec` command (issue 27): run it as a new user and an unlucky
 operator would, and check the contract after every case.
 
-    PYTHONPATH=. python scripts/hostile_pass.py [--only SUBSTRING] [--json results.json]
+    PYTHONPATH=. python scripts/hostile_pass.py [--only SUBSTRING[,SUBSTRING...]] [--json results.json]
 
 Every case runs `python -m batchspec_cli` in a subprocess in its own directory beside a tiny saved
 model, then checks: the exit code is the documented one, stderr holds no traceback, every file
@@ -86,7 +86,8 @@ def rows(out: Path) -> list[tuple]:
 
 class Pass:
     def __init__(self, root: Path, only: str | None):
-        self.root, self.only, self.results = root, only, []
+        self.root, self.results = root, []
+        self.only = only.split(",") if only else None  # run the cases whose name holds one of these
         self.model = save_tiny_model_dir(root / "model", seed=0, layers=1, hidden=32)
         self.base = ["--target", self.model, "--mode", "ar", "--max-new-tokens", "8", "--batch-size", "2",
                      "--checkpoint-rows", "2", "--quiet"]
@@ -94,6 +95,9 @@ class Pass:
         code, err, _, _ = run(["generate", self.prompts(ref), ref / "out.parquet", *self.base])
         assert code == 0, err
         self.reference = rows(ref / "out.parquet")
+
+    def wanted(self, name: str) -> bool:
+        return not self.only or any(part in name for part in self.only)
 
     def case_dir(self, name: str) -> Path:
         path = self.root / name.replace(" ", "_").replace("/", "_")
@@ -112,16 +116,17 @@ class Pass:
         print(f"{'ok  ' if ok else 'FAIL'} {name:<58} exit {code} (want {expected}) {seconds:5.1f}s {detail}",
               flush=True)
 
-    def case(self, name, setup, expected, needle="", allowed=None, untouched=(), check=None, signals=()):
-        """setup(dir) -> argv; checks exit code, no traceback, untouched paths, leftovers, needle in stderr."""
-        if self.only and self.only not in name:
+    def case(self, name, setup, expected, needle="", allowed=None, untouched=(), check=None, signals=(), ready=None):
+        """setup(dir) -> argv; checks exit code, no traceback, untouched paths, leftovers, needle in stderr.
+        ``ready(dir)``: the signals' first delay counts from when it first holds (see `run`)."""
+        if not self.wanted(name):
             return
         where = self.case_dir(name)
         args = setup(where)
         keep = [where / u for u in untouched]
         before = snapshot(*keep)
         present = {p.name for p in where.iterdir()}
-        code, err, seconds, _ = run(args, signals=signals)
+        code, err, seconds, _ = run(args, signals=signals, ready=(lambda: ready(where)) if ready else None)
         problems = []
         if code not in (expected if isinstance(expected, tuple) else (expected,)):
             problems.append("exit code")
@@ -142,7 +147,7 @@ class Pass:
     # ------------------------------------------------------------------ kill and resume
     def kill_case(self, name, signals, at_final_write=False):
         """Signals counted from when the run holds its lock (or marks its job finishing), then reruns."""
-        if self.only and self.only not in name:
+        if not self.wanted(name):
             return
         where = self.case_dir(name)
         inp, out = self.prompts(where), where / "out.parquet"
@@ -318,7 +323,7 @@ def main() -> None:
         return ["verify", w / "out.stats.parquet"]
     p.case("verify on a statistics file", s_verify_stats, 2, "not a batchspec completions file",
            allowed={"out.parquet", "out.stats.parquet"})
-    p.case("verify on a JSONL file", lambda w: ["verify", p.prompts(w)], 2, "not a valid Parquet file")
+    p.case("verify on a JSONL file", lambda w: ["verify", p.prompts(w)], 2, "Parquet completions file")
 
     def s_verify_truncated(w):
         code, err, _, _ = run(g(p.prompts(w), w / "out.parquet"))
@@ -385,7 +390,7 @@ def main() -> None:
         (w / "in.jsonl").write_text(json.dumps({"id": "big", "prompt": "word " * (args.big_mb * 200_000)}) + "\n"
                                     + json.dumps({"id": "small", "prompt": "hi"}) + "\n")
         return g(w / "in.jsonl", w / "out.parquet")
-    if not p.only or "prompt" in p.only:
+    if p.wanted(f"{args.big_mb} MB prompt is an error row"):
         where = p.case_dir(f"{args.big_mb} MB prompt")
         argv = s_huge(where)
         code, err, seconds, rss = run_measured(argv)
@@ -393,6 +398,120 @@ def main() -> None:
         ok = code == 3 and table and table[0]["finish_reason"] == "error" and "bytes" in table[0]["error"]
         p.record(f"{args.big_mb} MB prompt is an error row", ok and "Traceback" not in err, code, 3, seconds,
                  f"peak RSS {rss} MiB; {table[0]['error'] if table else err[-200:]}")
+
+    # --- issue 40: bad rows stay rows, values are read as written
+    done = {"out.parquet", "out.stats.parquet"}
+
+    def lines(where: Path, extra: list[dict], at: int = 3) -> Path:
+        """The usual prompts with ``extra`` rows inserted at row ``at``."""
+        rows = [json.loads(x) for x in p.prompts(where).read_text().splitlines()]
+        (where / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:at] + extra + rows[at:]))
+        return where / "in.jsonl"
+
+    def neighbours_as_reference(w):
+        got = [r for r in rows(w / "out.parquet") if not str(r[0]).startswith("bad")]
+        bad = [r for r in rows(w / "out.parquet") if str(r[0]).startswith("bad")]
+        problems = [] if got == p.reference else ["the good rows differ from a run without the bad ones"]
+        return problems + [f"row {r[0]} is not an error row" for r in bad if r[2] != "error"]
+
+    bad_rows = [{"id": "bad null", "prompt": None}, {"id": "bad blank", "prompt": "  \t"},
+                {"id": "bad message", "prompt": [{"role": "user"}]}, {"id": "bad surrogate", "prompt": "a\ud800"},
+                {"id": "bad image part", "prompt": [{"role": "user", "content": [{"type": "image_url"}]}]}]
+    p.case("bad prompts are error rows, the others as without them", lambda w: g(lines(w, bad_rows),
+           w / "out.parquet"), 3, "rows failed", allowed=done, check=neighbours_as_reference)
+
+    def s_parts(w):
+        parts = [{"type": "text", "text": "tell me"}, {"type": "text", "text": "a story"}]
+        lines(w, [{"id": "parts", "prompt": [{"role": "user", "content": parts}]},
+                  {"id": "joined", "prompt": [{"role": "user", "content": "tell me\na story"}]}])
+        return g(w / "in.jsonl", w / "out.parquet")
+
+    def c_parts(w):
+        got = {r[0]: r[1] for r in rows(w / "out.parquet")}
+        return [] if got["parts"] == got["joined"] else ["text content parts not joined"]
+    p.case("OpenAI-style text content parts in a table are joined", s_parts, 0, allowed=done, check=c_parts)
+
+    def s_mixed_stop(w):
+        first = p.case_dir("mixed stop column (no stops)")
+        code, err, _, _ = run(g(p.prompts(first), first / "out.parquet"))
+        assert code == 0, err
+        text = pq.read_table(first / "out.parquet").column("completion").to_pylist()[0]
+        w.joinpath("stop.txt").write_text(text[2:4])
+        rows_ = [json.loads(x) for x in p.prompts(w).read_text().splitlines()]
+        rows_[0]["stop"], rows_[1]["stop"] = [text[2:4]], "zzz-never"
+        (w / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_))
+        return g(w / "in.jsonl", w / "out.parquet", "--stop-column", "stop")
+
+    def c_mixed_stop(w):
+        first = pq.read_table(w / "out.parquet").to_pylist()[0]
+        stop = (w / "stop.txt").read_text()
+        ok = first["finish_reason"] == "stop_string" and stop not in first["completion"]
+        return [] if ok else [f"the list row ran past its stop: {first['finish_reason']} {first['completion']!r}"]
+    p.case("stop column mixing strings and lists keeps the lists", s_mixed_stop, 0, allowed=done | {"stop.txt"},
+           check=c_mixed_stop)
+    p.case("stop list holding a number", lambda w: g(lines(w, [{"id": "x", "prompt": "hi", "stop": ["I", 5]}], 0),
+           w / "out.parquet", "--stop-column", "stop"), 2, "row 1")
+    p.case("seed 2^70 in --seed-column", lambda w: g(lines(w, [{"id": "x", "prompt": "hi", "seed": 2 ** 70}]),
+           w / "out.parquet", "--seed-column", "seed", "--temperature", "1"), 0, allowed=done)
+
+    def raw_lines(where: Path, *texts: str) -> Path:
+        (where / "in.jsonl").write_text(p.prompts(where).read_text() + "".join(t + "\n" for t in texts))
+        return where / "in.jsonl"
+    for what, text in (("an id", '{"id": "x\\ud800", "prompt": "hi"}'),
+                       ("a passed-through column", '{"id": "x", "prompt": "hi", "note": "\\udc00"}'),
+                       ("a column name", '{"id": "x", "prompt": "hi", "k\\ud800": 1}')):
+        p.case(f"lone surrogate in {what}", lambda w, t=text: g(raw_lines(w, t), w / "out.parquet"), 2,
+               f"line {ROWS + 1}, column ")
+
+    def request(custom_id: str, content: str) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": content}]}})
+    p.case("lone surrogate in an OpenAI custom_id", lambda w: (w / "b.jsonl").write_text(
+        request("r1", "hi") + "\n" + request("r\ud800", "hi") + "\n") and g(w / "b.jsonl", w / "out.jsonl"), 2,
+        "line 2, column ")
+    p.case("lone surrogate in an OpenAI message is an error line", lambda w: (w / "b.jsonl").write_text(
+        request("r1", "hi") + "\n" + request("r2", "x\ud800") + "\n") and g(w / "b.jsonl", w / "out.jsonl"), 3,
+        "surrogate", allowed={"out.jsonl", "out.stats.parquet"})
+    p.case("OpenAI file whose first line lacks custom_id", lambda w: (w / "b.jsonl").write_text(
+        json.dumps({"method": "POST", "url": "/v1/chat/completions",
+                    "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n") and g(w / "b.jsonl",
+        w / "out.jsonl"), 2, "custom_id")
+
+    def nested(levels: int):
+        value = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+    p.case("pass-through column nested 60 arrays deep", lambda w: g(lines(w, [{"id": "deep", "prompt": "hi",
+           "deep": nested(60)}]), w / "out.parquet"), 0, allowed=done)
+
+    def s_control(w):
+        lines(w, [{"id": "ctl", "prompt": "A<eos>B"}])
+        code, err, _, _ = run(g(w / "in.jsonl", w / "allowed.parquet", "--allow-special-tokens"))
+        assert code == 0, err
+        return g(w / "in.jsonl", w / "out.parquet")
+
+    def c_control(w):
+        count = {name: {r["id"]: r["prompt_tokens"] for r in pq.read_table(w / name).to_pylist()}["ctl"]
+                 for name in ("out.parquet", "allowed.parquet")}
+        ok = count["out.parquet"] == count["allowed.parquet"] + 4
+        return [] if ok else [f"<eos> in a prompt became a control token: {count}"]
+    p.case("control token string in a prompt stays text", s_control, 0,
+           allowed=done | {"allowed.parquet", "allowed.stats.parquet"}, check=c_control)
+
+    def finished(w: Path, name: str = "out.parquet") -> Path:
+        code, err, _, _ = run(g(p.prompts(w), w / name))
+        assert code == 0, err
+        return w / name
+    p.case("stats on a completions file", lambda w: ["stats", finished(w)], 2, "out.stats.parquet", allowed=done)
+    p.case("verify on the tool's own OpenAI output", lambda w: ["verify", finished(w, "out.jsonl")], 2,
+           "Parquet completions file", allowed={"out.jsonl", "out.stats.parquet"})
+    for value in ("-1", "nan"):
+        p.case(f"verify --tolerance {value}", lambda w, v=value: ["verify", finished(w), "--tolerance", v], 2,
+               "--tolerance", allowed=done)
+    p.case("--overwrite onto a FIFO named like OUT", lambda w: os.mkfifo(w / "out.parquet") or g(
+        p.prompts(w), w / "out.parquet", "--overwrite"), 2, "not a regular file",
+        check=lambda w: [] if (w / "out.parquet").is_fifo() else ["the FIFO was replaced"])
 
     # --- signals
     for delay in (0.3, 1.0, 2.5):
@@ -407,12 +526,18 @@ def main() -> None:
         delay = rng.uniform(0, 4)
         p.kill_case(f"SIGTERM {delay:.2f} s after the lock, rerun", [(delay, signal.SIGTERM)])
     p.kill_case("SIGTERM twice, rerun", [(1.5, signal.SIGTERM), (0.01, signal.SIGTERM)])
+    p.kill_case("SIGHUP (terminal closed), rerun", [(1.0, signal.SIGHUP)])
+    p.case("SIGHUP once the log is open writes the interrupted event", lambda w: ["generate", p.prompts(w),
+           w / "out.parquet", *p.base, "--log-json", w / "log.jsonl"], 129, "interrupted",
+           allowed={"log.jsonl"} | resumable, signals=[(0.5, signal.SIGHUP)],
+           ready=lambda w: (w / "log.jsonl").exists(),
+           check=lambda w: [] if '"event": "interrupted"' in (w / "log.jsonl").read_text() else ["no event"])
     p.kill_case("SIGINT then SIGKILL, rerun", [(1.0, signal.SIGINT), (0.05, signal.SIGKILL)])
     p.kill_case("SIGKILL during the final write, rerun", [(0, signal.SIGKILL)], at_final_write=True)
     p.kill_case("SIGTERM twice during the final write, rerun", [(0, signal.SIGTERM), (0, signal.SIGTERM)],
                 at_final_write=True)
 
-    if not p.only or "competing" in p.only:
+    if p.wanted("competing writer on the same OUT"):
         where = p.case_dir("competing writer")
         inp, out = p.prompts(where), where / "out.parquet"
         start = time.perf_counter()

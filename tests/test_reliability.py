@@ -409,9 +409,9 @@ def test_fuzz_parquet_through_the_cli(tmp_path, fuzz_model, prompt, others, cut)
 
 HOSTILE = {
     "invalid utf-8": (b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', 2, "UTF-8"),
-    "nan prompt": (b'{"prompt": NaN}\n', 2, "null"),
-    "null prompt": (b'{"prompt": "a"}\n{"prompt": null}\n', 2, "line 2"),
-    "nested prompt": (b'{"prompt": {"a": {"b": [1, 2]}}}\n', 2, "expected a string"),
+    "nan prompt": (b'{"prompt": NaN}\n', 3, "null"),  # a bad prompt is an error row (issue 40)
+    "null prompt": (b'{"prompt": "a"}\n{"prompt": null}\n', 3, "row 2"),
+    "nested prompt": (b'{"prompt": {"a": {"b": [1, 2]}}}\n', 3, "expected a string"),
     "deep nesting": (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}\n", 2, "line 1"),
     "duplicate ids": (b'{"id": 1, "prompt": "a"}\n{"id": "1", "prompt": "b"}\n{"id": 2, "prompt": "c"}\n'
                       b'{"id": 2, "prompt": "d"}\n', 2, "duplicate ids in column 'id': '1', '2'"),
@@ -430,7 +430,7 @@ def test_hostile_input_is_a_message_or_a_row_error(tmp_path, fuzz_model, case):
                     "--quiet")
     assert result.exit_code == code and needle in result.output, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
-    if code == 3:  # the huge prompt is longer than the model's context: an error row, the other row runs
+    if case == "huge line":  # the huge prompt is longer than the model's context: an error row, the other row runs
         table = pq.read_table(out).to_pylist()
         assert table[0]["finish_reason"] == "error" and "context" in table[0]["error"]
         assert table[1]["finish_reason"] != "error"

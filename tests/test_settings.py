@@ -67,7 +67,7 @@ OLD_LABELS = {
 
 
 RECENT = {"input_format", "split", "config", "top_p_column", "stop_column", "logprobs", "logprobs_column",
-          "logprobs_mode"}  # recent=True: newer than OLD_LABELS
+          "logprobs_mode", "allow_special_tokens"}  # recent=True: newer than OLD_LABELS
 
 
 def test_fingerprint_labels_are_unchanged_in_order():

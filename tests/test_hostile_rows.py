@@ -1,0 +1,313 @@
+"""Bad rows stay rows, hostile values are read as written (issue 40): the real CLI on real small files.
+
+Each test runs `batchspec` through typer's CliRunner beside a tiny saved model. A bad row becomes an
+error row while its neighbours complete exactly as in a run without it; a bad file is one line and
+exit 2; per-row settings are read from the JSON values as written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from batchspec_cli import inputs, outputs
+from batchspec_cli.cli import app
+from batchspec_cli.models import load_model
+from conftest import greedy_reference, save_tiny_model_dir
+
+cli = CliRunner()
+GOOD = [{"id": "a", "prompt": "tell me a story"}, {"id": "b", "prompt": "Say yes"},
+        {"id": "c", "prompt": [{"role": "user", "content": "hello there"}]}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model_dir(tmp_path_factory.mktemp("hostile_model"), seed=0, layers=1, hidden=32)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def generate(inp, out, model, *extra):
+    return cli.invoke(app, ["generate", str(inp), str(out), "--target", str(model), "--mode", "ar",
+                            "--max-new-tokens", "6", "--batch-size", "2", "--dtype", "float64", "--quiet",
+                            *map(str, extra)])
+
+
+def table(out: Path) -> dict[str, dict]:
+    """Output rows by id."""
+    return {r["id"]: r for r in pq.read_table(out).to_pylist()}
+
+
+def refused(result, *needles: str) -> None:
+    """Exit 2, one line naming what is wrong, no traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    for needle in needles:
+        assert needle in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def clean(model, tmp_path_factory) -> dict[str, dict]:
+    """The good rows, run alone: what they must produce beside any bad row."""
+    root = tmp_path_factory.mktemp("clean")
+    result = generate(write_jsonl(root / "in.jsonl", GOOD), root / "out.parquet", model)
+    assert result.exit_code == 0, result.output
+    return table(root / "out.parquet")
+
+
+def same_as_clean(out: Path, clean: dict[str, dict]) -> None:
+    got = table(out)
+    for row_id, row in clean.items():
+        assert (got[row_id]["completion_token_ids"], got[row_id]["finish_reason"]) == \
+            (row["completion_token_ids"], row["finish_reason"]), row_id
+
+
+# --------------------------------------------------------------------------- bad rows are error rows
+
+
+BAD_PROMPTS = {
+    "null": (None, "is null"),
+    "whitespace": ("  \n\t ", "is empty"),
+    "message without text": ([{"role": "user"}], "no string 'content'"),
+    "image part": ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                   "only text content parts"),
+    "lone surrogate": ("x\ud800y", "lone UTF-16 surrogate"),
+}
+
+
+def test_bad_prompts_are_error_rows_and_their_neighbours_complete_as_without_them(tmp_path, model, clean):
+    rows = [GOOD[0], *({"id": f"bad {name}", "prompt": value} for name, (value, _) in BAD_PROMPTS.items()),
+            *GOOD[1:]]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))  # ensure_ascii: the surrogate as its \ud800 escape
+    result = generate(inp, tmp_path / "out.parquet", model)
+    assert result.exit_code == 3, result.output
+    assert "Traceback" not in result.output
+    got = table(tmp_path / "out.parquet")
+    for name, (_, needle) in BAD_PROMPTS.items():
+        row = got[f"bad {name}"]
+        assert row["finish_reason"] == "error" and needle in row["error"], row
+    assert got["bad lone surrogate"]["prompt"] == "x\\ud800y"  # kept as its escape text
+    same_as_clean(tmp_path / "out.parquet", clean)
+
+
+def test_text_content_parts_are_joined(tmp_path, model):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "parts", "prompt": [{"role": "user", "content": parts}]},
+        {"id": "joined", "prompt": [{"role": "user", "content": "hello\nthere"}]}])
+    result = generate(inp, tmp_path / "out.parquet", model)
+    assert result.exit_code == 0, result.output
+    got = table(tmp_path / "out.parquet")
+    assert got["parts"]["completion_token_ids"] == got["joined"]["completion_token_ids"]
+    assert got["parts"]["prompt_tokens"] == got["joined"]["prompt_tokens"]
+
+
+# --------------------------------------------------------------------------- per-row columns as written
+
+
+def test_a_stop_column_mixing_strings_and_lists_keeps_the_lists(tmp_path, model, clean):
+    text = clean["a"]["completion"]
+    stop = text[2:4]
+    assert stop.strip() and "zzz" not in clean["b"]["completion"]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "stop": [stop]}, {**GOOD[1], "stop": "zzz"}])
+    result = generate(inp, tmp_path / "out.parquet", model, "--stop-column", "stop")
+    assert result.exit_code == 0, result.output
+    got = table(tmp_path / "out.parquet")
+    assert got["a"]["finish_reason"] == "stop_string" and got["a"]["completion"] == text[: text.index(stop)]
+    assert got["b"]["completion_token_ids"] == clean["b"]["completion_token_ids"]
+    assert got["a"]["stop"] == json.dumps([stop])  # passed through as the column's text
+
+
+def test_a_bucket_directory_refuses_a_setting_column_it_holds_as_text(tmp_path, model):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "stop": ["x"]}, {**GOOD[1], "stop": "zzz"}])
+    made = cli.invoke(app, ["bucket", str(inp), str(tmp_path / "buckets"), "--target", str(model), "--quiet"])
+    assert made.exit_code == 0, made.output
+    refused(generate(tmp_path / "buckets", tmp_path / "out.parquet", model, "--stop-column", "stop"),
+            "'stop'", "mixes kinds")
+    assert generate(tmp_path / "buckets", tmp_path / "out.parquet", model).exit_code == 0  # as a pass-through
+
+
+@pytest.mark.parametrize("bad", [["I", 5], ["I", None]])
+def test_a_stop_list_holding_a_non_string_is_refused_naming_the_row(tmp_path, model, bad):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "stop": "zzz"}, {**GOOD[1], "stop": bad}])
+    refused(generate(inp, tmp_path / "out.parquet", model, "--stop-column", "stop"), "row 2", "'stop'")
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_seed_beyond_64_bits_is_an_integer(tmp_path, model):
+    big = 2 ** 70
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "seed": big}, {**GOOD[1], "seed": 3}])
+    result = generate(inp, tmp_path / "col.parquet", model, "--seed-column", "seed", "--temperature", "1")
+    assert result.exit_code == 0, result.output
+    flag = generate(write_jsonl(tmp_path / "plain.jsonl", GOOD[:1]), tmp_path / "flag.parquet", model,
+                    "--seed", big, "--temperature", "1")
+    assert flag.exit_code == 0, flag.output
+    assert table(tmp_path / "col.parquet")["a"]["completion_token_ids"] == \
+        table(tmp_path / "flag.parquet")["a"]["completion_token_ids"]
+
+
+# --------------------------------------------------------------------------- lone surrogates outside a prompt
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"id": "x\\ud800", "prompt": "hi"}', "column 'id'"),
+    ('{"id": "x", "prompt": "hi", "note": ["ok", "\\udfff"]}', "column 'note'"),
+    ('{"id": "x", "prompt": "hi", "n\\ud800": 1}', "a column name"),
+])
+def test_a_lone_surrogate_outside_a_prompt_refuses_the_file_naming_line_and_column(tmp_path, model, line, needle):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(GOOD[0]) + "\n" + line + "\n")
+    refused(generate(inp, tmp_path / "out.parquet", model), "line 2, column ", needle, "surrogate")
+
+
+def test_openai_lone_surrogates(tmp_path, model):
+    def request(custom_id, content):
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": content}]}})
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(request("r1", "hi") + "\n" + request("r2", "x\ud800") + "\n")
+    result = generate(inp, tmp_path / "out.jsonl", model)
+    assert result.exit_code == 3 and "Traceback" not in result.output, result.output
+    lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert lines[0]["error"] is None and "surrogate" in lines[1]["error"]["message"]
+    inp.write_text(request("r1", "hi") + "\n" + request("r\ud800", "hi") + "\n")
+    refused(generate(inp, tmp_path / "out2.jsonl", model), "line 2, column ", "custom_id")
+
+
+# --------------------------------------------------------------------------- deep nesting
+
+
+def deep(levels: int):
+    value = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_a_deeply_nested_column_is_stored_as_json_text_and_a_stuck_work_directory_is_redone(tmp_path, model,
+                                                                                               monkeypatch, clean):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**row, "deep": deep(60)} for row in GOOD])
+    out = tmp_path / "out.parquet"
+    monkeypatch.setattr(inputs, "MAX_NESTING", 10 ** 6)  # as before: the nested column goes into the buckets
+    first = generate(inp, out, model)
+    monkeypatch.undo()
+    assert first.exit_code != 0 and not out.exists()
+    result = generate(inp, out, model)  # resumes the work directory the failed run left
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).column("deep").to_pylist() == [json.dumps(deep(60))] * len(GOOD)
+    same_as_clean(out, clean)
+
+
+# --------------------------------------------------------------------------- control tokens in prompt text
+
+
+def test_control_token_strings_in_prompts_stay_text_unless_allowed(tmp_path, model):
+    prompt = "A<eos>B<bos>"
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "prompt": prompt}])
+    loaded = load_model(str(model), dtype="float64")
+    tok = loaded.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   tokenize=False)
+    as_text = tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    as_tokens = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(as_text) == len(as_tokens) + 8  # the tiny tokenizer is one token per character
+    for extra, ids in (((), as_text), (("--allow-special-tokens",), as_tokens)):
+        out = tmp_path / f"out{len(extra)}.parquet"
+        result = generate(inp, out, model, *extra)
+        assert result.exit_code == 0, result.output
+        row = table(out)["x"]
+        assert row["prompt_tokens"] == len(ids)
+        assert row["completion_token_ids"] == greedy_reference(loaded.model, ids, 6, [tok.eos_token_id])
+    nochat = generate(inp, tmp_path / "raw.parquet", model, "--no-chat")
+    assert nochat.exit_code == 0, nochat.output
+    assert table(tmp_path / "raw.parquet")["x"]["prompt_tokens"] == \
+        len(tok(prompt, add_special_tokens=True, split_special_tokens=True)["input_ids"])
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_sighup_stops_like_sigterm(tmp_path, model, monkeypatch):
+    inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    out, log = tmp_path / "out.parquet", tmp_path / "log.jsonl"
+    real = outputs.write_completions
+
+    def write_under_signals(*args, **kwargs):
+        for _ in range(2):  # the second one stops at once, as a second SIGTERM does
+            os.kill(os.getpid(), signal.SIGHUP)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(outputs, "write_completions", write_under_signals)
+    result = generate(inp, out, model, "--log-json", log)
+    monkeypatch.undo()
+    assert result.exit_code == 129 and "Traceback" not in result.output, result.output
+    assert f"{len(GOOD)} of {len(GOOD)} rows saved" in result.output
+    event = json.loads(log.read_text().splitlines()[-1])
+    assert event["event"] == "interrupted" and event["signal"] == "SIGHUP" and event["exit_code"] == 129
+    assert generate(inp, out, model).exit_code == 0
+
+
+# --------------------------------------------------------------------------- small contract breaks
+
+
+def test_disk_full_names_the_path(tmp_path, model, monkeypatch):
+    inp, out = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet"
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")  # as a writer that names no file raises it
+
+    monkeypatch.setattr(pq, "write_table", full)
+    result = generate(inp, out, model)
+    monkeypatch.undo()
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+    assert "a file" not in result.output and str(tmp_path) in result.output.replace("\n", "")
+
+
+def test_an_openai_file_without_custom_id_on_its_first_line_is_recognised(tmp_path, model):
+    inp = tmp_path / "batch.jsonl"
+    inp.write_text(json.dumps({"method": "POST", "url": "/v1/chat/completions",
+                               "body": {"messages": [{"role": "user", "content": "hi"}]}}) + "\n")
+    refused(generate(inp, tmp_path / "out.jsonl", model), "custom_id")
+
+
+@pytest.fixture(scope="module")
+def finished(model, tmp_path_factory) -> Path:
+    """A directory holding out.parquet (with out.stats.parquet) and openai.jsonl of one run each."""
+    root = tmp_path_factory.mktemp("finished")
+    inp = write_jsonl(root / "in.jsonl", GOOD)
+    assert generate(inp, root / "out.parquet", model).exit_code == 0
+    assert generate(inp, root / "openai.jsonl", model, "--stats", root / "openai.stats.parquet").exit_code == 0
+    return root
+
+
+def test_stats_on_a_completions_file_names_its_statistics_file(finished):
+    refused(cli.invoke(app, ["stats", str(finished / "out.parquet")]), "not a batchspec statistics file",
+            "out.stats.parquet")
+
+
+def test_verify_on_the_openai_output_says_what_it_checks(finished):
+    refused(cli.invoke(app, ["verify", str(finished / "openai.jsonl")]), "Parquet completions file")
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_verify_refuses_a_negative_or_non_finite_tolerance(finished, value):
+    refused(cli.invoke(app, ["verify", str(finished / "out.parquet"), "--tolerance", value]), "--tolerance")
+
+
+def test_overwrite_never_replaces_what_is_not_a_regular_file(tmp_path, model):
+    fifo = tmp_path / "fifo.parquet"
+    os.mkfifo(fifo)
+    refused(generate(write_jsonl(tmp_path / "in.jsonl", GOOD), fifo, model, "--overwrite"), "FIFO",
+            "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
