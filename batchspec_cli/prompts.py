@@ -8,19 +8,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from . import io as bio
 from . import openai_batch
 
 
+CHUNK_ROWS = 1024  # prompts rendered and tokenized per tokenizer call
+
+
 @dataclass(frozen=True)
 class RenderedPrompts:
-    ids: list[list[int]]  # [rows] the prompt's token ids; [] for a row in errors
+    ids: pa.ChunkedArray  # [rows] list<int32>: the prompt's token ids; [] for a row in errors
     errors: dict[int, str]  # row -> why it has no ids (one line)
 
 
 def render_prompts(inp: bio.InputTable, tokenizer, chat: bool, system: str | None,
                    most_tokens: int | None = None, what: str = "") -> RenderedPrompts:
-    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added).
+    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added), ``CHUNK_ROWS`` rows per
+    tokenizer call; the ids are kept in Arrow form (four bytes a token), never as Python lists for the job.
 
     A row fails, in this order, when the input refused it already (``inp.errors``: an OpenAI
     batch line), when its text has more bytes than ``most_tokens`` tokens could hold (refused
@@ -28,19 +34,53 @@ def render_prompts(inp: bio.InputTable, tokenizer, chat: bool, system: str | Non
     A /v1/completions prompt of an OpenAI batch is rendered raw: no template, no system prompt.
     """
     most_bytes = bio.max_prompt_bytes(tokenizer, most_tokens) if most_tokens is not None else None
-    ids, errors = [], {}
-    for row, prompt in enumerate(inp.prompts):
-        ids.append([])
-        if row in inp.errors:
-            errors[row] = inp.errors[row]
-            continue
-        size = bio.prompt_bytes(prompt) if most_bytes is not None else 0
-        if most_bytes is not None and size > most_bytes:
-            errors[row] = f"prompt has {size} bytes, more than {what} can hold (at most {most_bytes} bytes)"
-            continue
-        raw = openai_batch.is_text_completion(inp, row)
-        try:
-            ids[row] = bio.render_prompt(tokenizer, prompt, chat and not raw, None if raw else system)
-        except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
-            errors[row] = f"cannot render the prompt: {bio.one_line(exc)}"
-    return RenderedPrompts(ids, errors)
+    chunks, errors = [], {}
+    for start in range(0, len(inp.prompts), CHUNK_ROWS):
+        ids: list[list[int]] = [[] for _ in range(min(CHUNK_ROWS, len(inp.prompts) - start))]
+        kinds: dict[bool, list[int]] = {False: [], True: []}  # raw (an OpenAI /v1/completions row) -> rows
+        for row in range(start, start + len(ids)):
+            if row in inp.errors:
+                errors[row] = inp.errors[row]
+                continue
+            size = bio.prompt_bytes(inp.prompts[row]) if most_bytes is not None else 0
+            if most_bytes is not None and size > most_bytes:
+                errors[row] = f"prompt has {size} bytes, more than {what} can hold (at most {most_bytes} bytes)"
+                continue
+            kinds[openai_batch.is_text_completion(inp, row)].append(row)
+        for raw, rows in kinds.items():
+            rendered = _render_rows(tokenizer, [inp.prompts[row] for row in rows], chat and not raw,
+                                    None if raw else system, errors, rows)
+            for row, row_ids in zip(rows, rendered):
+                ids[row - start] = row_ids
+        chunks.append(pa.array(ids, type=pa.list_(pa.int32())))
+    return RenderedPrompts(pa.chunked_array(chunks, type=pa.list_(pa.int32())), errors)
+
+
+def _render_rows(tokenizer, prompts: list[bio.Prompt], chat: bool, system: str | None, errors: dict[int, str],
+                 rows: list[int]) -> list[list[int]]:
+    """``bio.render_prompt`` of every prompt in one tokenizer call; one prompt at a time when a chat template
+    raises, so only the rows it raises for fail (``errors``)."""
+    if not prompts:
+        return []
+    try:
+        if chat and getattr(tokenizer, "chat_template", None):
+            conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+                             for p in prompts]
+            if system is not None:
+                conversations = [c if any(m.get("role") == "system" for m in c)
+                                 else [{"role": "system", "content": system}, *c] for c in conversations]
+            return tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        texts = [p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) for p in prompts]
+        if system is not None:
+            texts = [f"{system}\n\n{text}" for text in texts]
+        return tokenizer(texts, add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001 - a chat template may raise anything: find the rows it raises for
+        out = []
+        for row, prompt in zip(rows, prompts):
+            try:
+                out.append(bio.render_prompt(tokenizer, prompt, chat, system))
+            except Exception as exc:  # noqa: BLE001 - that row fails, not the job
+                errors[row] = f"cannot render the prompt: {bio.one_line(exc)}"
+                out.append([])
+        return out
