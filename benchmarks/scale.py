@@ -8,7 +8,8 @@ real CLI once per size in a fresh process (``--mode ar --batch-size 32 --max-new
 - ``wall_s``: the process, start to exit;
 - ``setup_s``: process start to the job's ``start`` event (imports, reading, rendering,
   tokenizing and bucketing the prompts, loading the model);
-- ``finish_s``: writing OUT and the statistics file (the ``finish`` event's ``finish_s``);
+- ``finish_s``: writing OUT and the statistics file (the ``finish`` event's ``finish_s``; for a
+  checkout without it, the time from the last ``bucket_done`` event to the ``finish`` event);
 - ``decode_s``: the rest (generation, checkpoint parts);
 - ``peak_rss_mb``: the process's peak resident memory (``wait4``'s ``ru_maxrss``).
 
@@ -84,6 +85,10 @@ def run(inp: Path, out: Path, model: Path, flags: list[str], pythonpath: str) ->
     started = datetime.datetime.fromisoformat(events["start"]["time"])
     setup = (started - began).total_seconds()
     finish = events["finish"].get("finish_s")
+    if finish is None:  # a checkout that does not log it: from the last bucket done to the end
+        last = max(e["time"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "bucket_done")
+        finish = (datetime.datetime.fromisoformat(events["finish"]["time"])
+                  - datetime.datetime.fromisoformat(last)).total_seconds()
     return {"wall_s": round(wall, 2), "setup_s": round(setup, 2),
             "decode_s": round(wall - setup - (finish or 0.0), 2),
             "finish_s": None if finish is None else round(finish, 2),

@@ -74,7 +74,7 @@ def test_memory_held_does_not_grow_with_the_rows(tmp_path, monkeypatch):
     (a RowResult and its share of StepStats: hundreds of bytes a row)."""
     monkeypatch.setattr(merge, "MIN_RANGE_ROWS", 64)
     model = save_tiny_model_dir(tmp_path / "model", seed=0)
-    small, large = 150, 600
+    small, large = 100, 400
     held_small, finish_small = held_by_the_run(model, tmp_path, small)
     held_large, finish_large = held_by_the_run(model, tmp_path, large)
     per_row = (held_large - held_small) / (large - small)
@@ -100,7 +100,7 @@ job._Unsaved.save, merge.ranges, merge.MIN_RANGE_ROWS = slow_save, slow_ranges, 
 from batchspec_cli.cli import app
 app()
 """
-N_ROWS = 60
+N_ROWS = 36
 
 
 @pytest.fixture(scope="module")
@@ -156,9 +156,9 @@ def test_three_kills_one_in_the_finish_then_rerun_every_row_once(tmp_path, model
     assert done.exit_code == 0, done.output
 
     out = tmp_path / "out.parquet"
-    kill_when(start(inp, out, models), lambda: saved_rows(out) >= 9)
+    kill_when(start(inp, out, models), lambda: saved_rows(out) >= 6)
     first = saved_rows(out)
-    kill_when(start(inp, out, models), lambda: saved_rows(out) >= first + 9)
+    kill_when(start(inp, out, models), lambda: saved_rows(out) >= first + 6)
     kill_when(start(inp, out, models), lambda: finishing(out))
     assert not out.exists() and saved_rows(out) == N_ROWS
     rerun = start(inp, out, models)
