@@ -18,6 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class NonFiniteLogits(RuntimeError):
+    """The target gave a NaN or infinite logit for a live row: the round is refused, nothing of it committed."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one row picks its tokens. temperature == 0 means greedy."""

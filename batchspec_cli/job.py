@@ -35,17 +35,20 @@ from buckets import BucketError, iter_bucket_rows
 
 from . import __version__
 from . import drafters
-from . import io as bio
 from . import logprobs as lp
 from . import lookup
 from . import merge
 from . import models
 from . import openai_batch
+from . import outputs
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
-from .config import GenerateConfig, UsageError, os_error_message, row_value, settings_record, validate
+from .config import GenerateConfig, UsageError, os_error_message, settings_record, validate
 from .engine import Engine, EngineConfig, ModelHandle, pool_window
+from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
+from .files import write_text_stream_atomic
+from .inputs import row_value
 from .plan import JobPlan, plan_job
 from .stops import StopStrings
 
@@ -193,7 +196,7 @@ class Generation:
                 raise UsageError(f"{cfg.output} is being written by another batchspec run"
                                  f"{f' (pid {exc.pid})' if exc.pid else ''}; wait for it to finish, or remove "
                                  f"{work.lock_path} if it is not running") from None
-            except (bio.InputError, models.ModelError, BucketError, CheckpointError) as exc:
+            except (InputError, models.ModelError, BucketError, CheckpointError) as exc:
                 raise UsageError(str(exc)) from None
             except OSError as exc:  # a full disk while writing the lock, the buckets or the first part
                 raise UsageError(os_error_message(exc)) from None
@@ -269,7 +272,7 @@ class Generation:
         tail = lookup.SuffixIndex().max_depth - 1
         completion = np.full(plan.total_rows, -1, np.int64)  # [rows] saved completion length (-1: none or error)
         for path in self.work.part_paths("rows"):
-            table = bio.read_table(path).select(["row", "token_ids", "finish_reason"])
+            table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
             ok = pc.not_equal(table.column("finish_reason"), "error").to_numpy(zero_copy_only=False)
             lengths = pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)
             completion[table.column("row").to_numpy()] = np.where(ok, lengths, -1)
@@ -288,7 +291,7 @@ class Generation:
         wanted = order[after <= bound]
         relearn: dict[int, list[int] | None] = {}
         for path in self.work.part_paths("rows"):
-            table = bio.read_table(path).select(["row", "token_ids", "finish_reason"])
+            table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
             table = table.filter(np.isin(table.column("row").to_numpy(), wanted))
             for row, ids, reason in zip(*(table.column(c).to_pylist() for c in table.column_names)):
                 relearn[row] = ids if reason != "error" else None
@@ -384,12 +387,12 @@ class Generation:
         summary = {"rows": 0, "errors": 0, "completion_tokens": 0, "first_errors": []}
         pieces = self._output_pieces(summary)
         if plan.output_format == "openai":
-            bio.write_text_stream_atomic(cfg.output, pieces)
+            write_text_stream_atomic(cfg.output, pieces)
         else:
-            bio.write_parquet_stream_atomic(cfg.output, pieces, meta)
-        schema = bio.part_schema("stats")
-        steps = (bio.read_table(path).select(schema.names).cast(schema) for path in self.work.part_paths("stats"))
-        bio.write_parquet_stream_atomic(plan.stats_path, merge.batched(steps), meta, schema)
+            outputs.write_parquet_stream_atomic(cfg.output, pieces, meta)
+        schema = outputs.part_schema("stats")
+        steps = (outputs.read_table(path).select(schema.names).cast(schema) for path in self.work.part_paths("stats"))
+        outputs.write_parquet_stream_atomic(plan.stats_path, merge.batched(steps), meta, schema)
         self.work.remove()
         return {**summary, "resumed_rows": plan.resumed_rows, "generated_rows": summary["rows"] - plan.resumed_rows,
                 "output": str(cfg.output), "stats": str(plan.stats_path), "finish_s": time.perf_counter() - began}
@@ -401,7 +404,7 @@ class Generation:
         token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
         created = int(time.time())
         for first, table in merge.ranges(self.work.merge, plan.total_rows):
-            results = bio.results_from_table(table)
+            results = outputs.results_from_table(table)
             texts = self.texts(results)
             errors = [r for r in results if r.finish_reason == "error"]
             summary["rows"] += len(results)
@@ -413,7 +416,7 @@ class Generation:
                                                chat=cfg.chat, salt=plan.input_hash, created=created)
             else:
                 rows = slice(first, first + len(results))
-                yield bio.completions_table(plan.inp.table.slice(first, len(results)), plan.inp.ids[rows], results,
+                yield outputs.completions_table(plan.inp.table.slice(first, len(results)), plan.inp.ids[rows], results,
                                             texts, token_text)
 
 

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import io as bio
+from . import outputs
 
 MIN_RANGE_ROWS = 4096  # rows per range (one row group of OUT), unless the job has more than MAX_RANGES of them
 MAX_RANGES = 256
@@ -35,7 +35,7 @@ def range_rows(total_rows: int) -> int:
 
 def regroup(parts: list[Path], directory: Path, total_rows: int) -> None:
     """Write the rows of ``parts`` into ``directory`` (empty), one file per range and flush."""
-    size, schema = range_rows(total_rows), bio.part_schema("rows")
+    size, schema = range_rows(total_rows), outputs.part_schema("rows")
     held: dict[int, list[pa.Table]] = defaultdict(list)
     held_bytes: dict[int, int] = defaultdict(int)
     files = 0
@@ -49,7 +49,7 @@ def regroup(parts: list[Path], directory: Path, total_rows: int) -> None:
             pq.write_table(table, f)
 
     for path in parts:
-        table = bio.read_table(path).select(schema.names).cast(schema)
+        table = outputs.read_table(path).select(schema.names).cast(schema)
         keys = pc.divide(table.column("row"), size).to_numpy()  # integer division
         order = np.argsort(keys, kind="stable")
         keys, table = keys[order], table.take(pa.array(order))
@@ -73,8 +73,8 @@ def ranges(directory: Path, total_rows: int) -> Iterator[tuple[int, pa.Table]]:
         files[int(name.split("-")[0])].append(name)
     for key in range(math.ceil(total_rows / size)):
         first, end = key * size, min(total_rows, (key + 1) * size)
-        tables = [bio.read_table(directory / name) for name in files.pop(key, [])]
-        table = pa.concat_tables(tables) if tables else bio.part_schema("rows").empty_table()
+        tables = [outputs.read_table(directory / name) for name in files.pop(key, [])]
+        table = pa.concat_tables(tables) if tables else outputs.part_schema("rows").empty_table()
         rows, keep = np.unique(table.column("row").to_numpy(), return_index=True)
         if len(rows) != end - first:
             missing = np.setdiff1d(np.arange(first, end), rows)

@@ -33,10 +33,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 from batchspec_cli import align, grouping, models, pool  # noqa: E402
-from batchspec_cli.align import use_folded_sdpa  # noqa: E402
+from batchspec_cli.attention import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
-from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.prompts import render_prompt  # noqa: E402
 from batchspec_cli.plan import use_kernels  # noqa: E402
 
 TIMED = [(align.SlotCache, "_resize"), (align.SlotCache, "_allocate"), (pool, "realign"),
