@@ -11,7 +11,8 @@ real CLI once per size in a fresh process (``--mode ar --batch-size 32 --max-new
 - ``finish_s``: writing OUT and the statistics file (the ``finish`` event's ``finish_s``; for a
   checkout without it, the time from the last ``bucket_done`` event to the ``finish`` event);
 - ``decode_s``: the rest (generation, checkpoint parts);
-- ``peak_rss_mb``: the process's peak resident memory (``wait4``'s ``ru_maxrss``).
+- ``peak_rss_mb``: the process's peak resident memory (``wait4``'s ``ru_maxrss``);
+- ``read_back``: OUT read by pyarrow, pandas and DuckDB: every row once, in input order (ok).
 
 Prints a table, then one JSON line. ``--pythonpath`` runs another checkout's package (a
 baseline). The machine's load is part of every number: say whether it was shared.
@@ -95,6 +96,27 @@ def run(inp: Path, out: Path, model: Path, flags: list[str], pythonpath: str) ->
             "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}
 
 
+def read_back(out: Path, rows: int) -> str:
+    """OUT read by pyarrow, pandas and DuckDB (those installed): every row once, in input order."""
+    import pyarrow.parquet as pq
+
+    expected = [f"r{i}" for i in range(rows)]
+    readers = {"pyarrow": lambda: pq.read_table(out, columns=["id"]).column("id").to_pylist()}
+    try:
+        import pandas
+
+        readers["pandas"] = lambda: pandas.read_parquet(out, columns=["id"])["id"].tolist()
+    except ImportError:
+        pass
+    try:
+        import duckdb
+
+        readers["duckdb"] = lambda: [r[0] for r in duckdb.sql(f"SELECT id FROM read_parquet('{out}')").fetchall()]
+    except ImportError:
+        pass
+    return " ".join(f"{name}:{'ok' if read() == expected else 'WRONG'}" for name, read in readers.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10000,100000", help="comma-separated row counts")
@@ -119,15 +141,16 @@ def main() -> None:
             inp, out = root / f"prompts-{rows}.jsonl", root / f"out-{rows}.parquet"
             write_prompts(inp, rows)
             results[rows] = run(inp, out, model, flags, args.pythonpath)
+            results[rows]["read_back"] = read_back(out, rows)
             print(f"{rows} rows: {results[rows]}", file=sys.stderr, flush=True)
             out.unlink(missing_ok=True)
     names = ["wall_s", "setup_s", "decode_s", "finish_s", "peak_rss_mb"]
-    print("| rows | " + " | ".join(names) + " | setup % | finish % |")
-    print("|---:|" + "---:|" * (len(names) + 2))
+    print("| rows | " + " | ".join(names) + " | setup % | finish % | read back |")
+    print("|---:|" + "---:|" * (len(names) + 2) + "---|")
     for rows, r in results.items():
         share = lambda v: "-" if v is None else f"{100 * v / r['wall_s']:.1f}"  # noqa: E731
         print(f"| {rows:,} | " + " | ".join("-" if r[n] is None else f"{r[n]}" for n in names)
-              + f" | {share(r['setup_s'])} | {share(r['finish_s'])} |")
+              + f" | {share(r['setup_s'])} | {share(r['finish_s'])} | {r['read_back']} |")
     print(json.dumps({"flags": flags, "pythonpath": args.pythonpath, "results": {str(k): v for k, v in results.items()}}))
 
 
