@@ -39,7 +39,6 @@ and the next round overwrites the stale columns after it.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +78,7 @@ class SlotCache:
     ``update`` (called by the model's attention layers) writes the new entries there and
     returns the group's keys/values up to the end of the new entries. With a slice
     selection that is a view; with an index selection it is a gather, counted in ``gathered``
-    and timed in ``gather_s`` on the cache object only: no statistic reports them (the engine
+    on the cache object only: no statistic reports it (the engine
     moves every group into one slot range first, and ``StepStats.kv_gathered`` counts that move).
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
@@ -102,7 +101,6 @@ class SlotCache:
         self.rows_index: Selection = slice(0, 0)
         self.length = 0
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
-        self.gather_s = 0.0
         self.copied_rows = 0  # slot rows copied by growths (per layer and tensor counted once)
 
     # -- the interface the model's attention layers call ------------------------------
@@ -122,9 +120,7 @@ class SlotCache:
         values[self.rows_index, :, self.length : stop] = value_states
         if isinstance(self.rows_index, slice):
             return keys[self.rows_index, :, :stop], values[self.rows_index, :, :stop]
-        started = time.perf_counter()
         out = keys[self.rows_index, :, :stop], values[self.rows_index, :, :stop]
-        self.gather_s += time.perf_counter() - started
         self.gathered += key_states.shape[0] * stop
         return out
 

@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__  # from importlib.metadata
 from .checkpoint import CheckpointError
-from .config import GenerateConfig, UsageError, os_error_message
+from .config import DEFAULT, GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
 from .events import NonFiniteLogits, RowResult, StepStats
@@ -93,84 +93,103 @@ def generate(
     output: Annotated[Path, typer.Argument(help="Completions to write: .parquet, or .jsonl for the OpenAI Batch "
                                            "output format.")],
     input_format: Annotated[str, typer.Option("--input-format", help="auto (an OpenAI batch file is recognised "
-                                              "by its fields) | table | openai.")] = "auto",
+                                              "by its fields) | table | openai.")] = DEFAULT.input_format,
     output_format: Annotated[str, typer.Option("--output-format", help="auto (by OUTPUT's suffix) | parquet | "
-                                               "openai.")] = "auto",
-    split: Annotated[str, typer.Option("--split", help="Split of a Hugging Face dataset.")] = "train",
-    config: Annotated[Optional[str], typer.Option("--config", help="Configuration name of a hub dataset.")] = None,
-    target: TargetOpt = None,
-    draft: DraftOpt = None,
+                                               "openai.")] = DEFAULT.output_format,
+    split: Annotated[str, typer.Option("--split", help="Split of a Hugging Face dataset.")] = DEFAULT.split,
+    config: Annotated[Optional[str], typer.Option("--config", help="Configuration name of a hub dataset.")]
+    = DEFAULT.dataset_config,
+    target: TargetOpt = DEFAULT.target,
+    draft: DraftOpt = DEFAULT.draft,
     mode: Annotated[str, typer.Option(help="auto (k chosen every round from measured costs) | exspec | eqspec | "
-                                       "ar")] = "auto",
+                                       "ar")] = DEFAULT.mode,
     draft_tokens: Annotated[int, typer.Option("--draft-tokens", "-k", help="Draft tokens per round (auto: the "
-                                              "most).")] = 5,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = 8,
-    window: Annotated[Optional[int], typer.Option(help="EXSPEC pool size (default 4 x batch size).")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 256,
+                                              "most).")] = DEFAULT.k,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = DEFAULT.batch_size,
+    window: Annotated[Optional[int], typer.Option(help="EXSPEC pool size (default 4 x batch size).")] = DEFAULT.window,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = DEFAULT.max_new_tokens,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
-                                                              "error rows (default: the model's context).")] = None,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = "prompt",
-    id_column: Annotated[str, typer.Option("--id-column")] = "id",
-    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = True,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")] = None,
+                                                              "error rows (default: the model's context).")]
+    = DEFAULT.max_prompt_tokens,
+    prompt_column: Annotated[str, typer.Option("--prompt-column")] = DEFAULT.prompt_column,
+    id_column: Annotated[str, typer.Option("--id-column")] = DEFAULT.id_column,
+    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = DEFAULT.chat,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
+    = DEFAULT.system,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = DEFAULT.temperature,
+    top_k: Annotated[int, typer.Option("--top-k")] = DEFAULT.top_k,
+    top_p: Annotated[float, typer.Option("--top-p")] = DEFAULT.top_p,
+    seed: Annotated[int, typer.Option()] = DEFAULT.seed,
     temperature_column: Annotated[Optional[str], typer.Option("--temperature-column", help="Per-row temperature "
-                                                               "from this input column.")] = None,
-    seed_column: Annotated[Optional[str], typer.Option("--seed-column", help="Per-row seed column.")] = None,
+                                                               "from this input column.")] = DEFAULT.temperature_column,
+    seed_column: Annotated[Optional[str], typer.Option("--seed-column", help="Per-row seed column.")]
+    = DEFAULT.seed_column,
     max_new_tokens_column: Annotated[Optional[str], typer.Option("--max-new-tokens-column",
-                                                                  help="Per-row max_new_tokens column.")] = None,
-    top_p_column: Annotated[Optional[str], typer.Option("--top-p-column", help="Per-row top_p column.")] = None,
+                                                                  help="Per-row max_new_tokens column.")]
+    = DEFAULT.max_new_tokens_column,
+    top_p_column: Annotated[Optional[str], typer.Option("--top-p-column", help="Per-row top_p column.")]
+    = DEFAULT.top_p_column,
     stop_column: Annotated[Optional[str], typer.Option("--stop-column", help="Per-row stop strings (a string or "
-                                                       "a list of strings), besides --stop.")] = None,
+                                                       "a list of strings), besides --stop.")] = DEFAULT.stop_column,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Store each completion token's "
                                                     "log-probability and the N most probable tokens (0-20; 0: the "
-                                                    "token's own only) in a completion_logprobs column.")] = None,
+                                                    "token's own only) in a completion_logprobs column.")]
+    = DEFAULT.logprobs,
     logprobs_column: Annotated[Optional[str], typer.Option("--logprobs-column", help="Per-row --logprobs N from "
-                                                           "this input column (null: --logprobs).")] = None,
+                                                           "this input column (null: --logprobs).")]
+    = DEFAULT.logprobs_column,
     logprobs_mode: Annotated[str, typer.Option("--logprobs-mode", help="raw: the target's log-softmax before "
                                                "temperature/top-k/top-p | processed: after them (the distribution "
-                                               "sampled from).")] = "raw",
+                                               "sampled from).")] = DEFAULT.logprobs_mode,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
-                                                         "(default: automatic).")] = None,
-    stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "auto",
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+                                                         "(default: automatic).")] = DEFAULT.bucket_width,
+    stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]
+    = DEFAULT.stats,
+    dtype: DtypeOpt = DEFAULT.dtype,
+    device: DeviceOpt = DEFAULT.device,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = DEFAULT.limit,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = DEFAULT.overwrite,
     restart: Annotated[bool, typer.Option("--restart", help="Discard the saved work of an interrupted run of OUT "
-                                                           "instead of resuming it.")] = False,
+                                                           "instead of resuming it.")] = DEFAULT.restart,
     log_json: Annotated[Optional[Path], typer.Option("--log-json", help="Append one JSON line per event (start, "
                                                       "bucket done, row error, interrupted, finish) to this file.")]
     = None,
-    checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = 32,
-    checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)] = 10.0,
-    threads: ThreadsOpt = None,
+    checkpoint_rows: Annotated[int, typer.Option("--checkpoint-rows", hidden=True)] = DEFAULT.checkpoint_rows,
+    checkpoint_seconds: Annotated[float, typer.Option("--checkpoint-seconds", hidden=True)]
+    = DEFAULT.checkpoint_seconds,
+    threads: ThreadsOpt = DEFAULT.threads,
     kernels: Annotated[str, typer.Option("--kernels", help="auto | stock | packed: on a CPU in float32, linear "
                                          "layers with oneDNN-prepacked weights (faster verifies and batched steps; "
                                          "twice the weight memory). auto: packed when the copies take at most "
-                                         "half the free memory.")] = "auto",
+                                         "half the free memory.")] = DEFAULT.kernels,
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
                                       "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
-                                      "RAY_ADDRESS, else starts a local Ray on this machine.")] = False,
+                                      "RAY_ADDRESS, else starts a local Ray on this machine.")] = DEFAULT.ray,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Ray cluster to use (implies --ray): "
                                                        "host:port, 'auto' (the cluster this machine joined) or "
                                                        "'local' (a new local instance even if RAY_ADDRESS is set).")]
-    = None,
+    = DEFAULT.ray_address,
     ray_workers: Annotated[Optional[int], typer.Option("--ray-workers", help="Ray workers, each loading the models "
                                                        "once; each takes one GPU where the cluster has GPUs, else "
                                                        "--threads CPUs (default: one per GPU, else CPUs / threads).")]
-    = None,
-    ray_block_rows: Annotated[Optional[int], typer.Option("--ray-block-rows", hidden=True)] = None,
-    quiet: QuietOpt = False,
+    = DEFAULT.ray_workers,
+    ray_block_rows: Annotated[Optional[int], typer.Option("--ray-block-rows", hidden=True)] = DEFAULT.ray_block_rows,
+    quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Generate a completion for every prompt of INPUT and write them to OUTPUT (resumable: rerun after a crash)."""
-    options = dict(locals())  # the parameters: one per GenerateConfig setting, by its name, and --log-json
-    del options["log_json"]
-    cfg = GenerateConfig.from_options(options)
+    cfg = GenerateConfig(
+        input=input, output=output, input_format=input_format, output_format=output_format, split=split,
+        dataset_config=config, limit=limit, target=target, draft=draft, mode=mode, k=draft_tokens,
+        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, temperature_column=temperature_column, seed_column=seed_column,
+        max_new_tokens_column=max_new_tokens_column, top_p_column=top_p_column, stop_column=stop_column,
+        stop=tuple(stop or ()), chat=chat, system=system, prompt_column=prompt_column, id_column=id_column,
+        dtype=dtype, logprobs=logprobs, logprobs_column=logprobs_column, logprobs_mode=logprobs_mode,
+        batch_size=batch_size, window=window, device=device, stats=stats, bucket_width=bucket_width,
+        threads=threads, kernels=kernels, ray=ray, ray_address=ray_address, ray_workers=ray_workers,
+        ray_block_rows=ray_block_rows, overwrite=overwrite, restart=restart, quiet=quiet,
+        checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
     out = Console(quiet=quiet, soft_wrap=True)
     use_ray = ray or ray_address is not None
     if use_ray:  # before anything is read or loaded
@@ -292,58 +311,93 @@ def _start_ray(job: Generation, out: Console, log: JsonLog, address, workers, bl
     return executor
 
 
+class ProgressView:
+    """The progress bar (stdout): rows done, tokens per second, acceptance length, the round's k and drafter."""
+
+    def __init__(self, job: Generation, out: Console, quiet: bool):
+        self.job, self.out = job, out
+        self.started, self.tokens = time.perf_counter(), 0
+        self.accepted = self.spec_rows = 0  # drafts accepted / row-rounds of speculative steps (acceptance length)
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"),
+                            TextColumn("acc {task.fields[acc]}"), TextColumn("k {task.fields[k]}"),
+                            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=out,
+                            disable=quiet, transient=False)
+        self.task = None
+        self.handlers = {Started: self.started_job, RowResult: self.row, StepStats: self.step}
+
+    def started_job(self, event: Started) -> None:
+        for note in event.notes:
+            self.out.print(f"note: {note}", highlight=False)
+        if event.resumed_rows:
+            self.out.print(f"resuming: {event.resumed_rows} of {event.total_rows} rows already saved in "
+                           f"{event.work_dir}", highlight=False)
+        self.task = self.bar.add_task(event.mode, total=event.total_rows, completed=event.resumed_rows, tps=0.0,
+                                      acc="-", k="-")
+
+    def row(self, event: RowResult) -> None:
+        self.bar.advance(self.task)
+
+    def step(self, event: StepStats) -> None:
+        self.tokens += event.tokens_emitted
+        if event.k > 0:
+            self.accepted, self.spec_rows = self.accepted + sum(event.accepted), self.spec_rows + event.batch_size
+        live_k = self.bar.tasks[0].fields["k"] if event.group_kind == "prefill" else \
+            f"{event.k}" + (f" {event.drafter}" if event.k else "")  # the round's k and drafter
+        length = acceptance_length(self.accepted, self.spec_rows)
+        self.bar.update(self.task, tps=self.tokens / max(1e-9, time.perf_counter() - self.started),
+                        acc="-" if length is None else f"{length:.2f}", k=live_k)
+
+
+class LogView:
+    """The JSON log's events of a run (``--log-json``): start, resumed, row errors, blocks and buckets done. A Ray
+    block's ``BlockDone`` names its worker, which the row errors that follow it carry."""
+
+    def __init__(self, job: Generation, log: JsonLog):
+        self.job, self.log = job, log
+        self.worker: str | None = None
+        self.handlers = {Started: self.started_job, RowResult: self.row, WorkerBlockDone: self.block,
+                         BucketDone: self.bucket}
+
+    def started_job(self, event: Started) -> None:
+        cfg = self.job.cfg
+        self.log.write("start", version=__version__, total_rows=event.total_rows, mode=event.mode,
+                       input=str(cfg.input), output=str(cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows)
+        if event.resumed_rows:
+            self.log.write("resumed", rows_saved=event.resumed_rows, rows_left=event.total_rows - event.resumed_rows)
+
+    def row(self, event: RowResult) -> None:
+        if event.finish_reason == "error":
+            self.log.write("row_error", row=event.row, id=event.id, error=event.error,
+                           **({"worker": self.worker} if self.worker else {}))
+
+    def block(self, event: WorkerBlockDone) -> None:
+        self.worker = event.worker
+        self.log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows, errors=event.errors,
+                       worker=event.worker, seconds=round(event.seconds, 3))
+
+    def bucket(self, event: BucketDone) -> None:
+        self.log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
+
+
 def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None) -> int:
     """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code.
 
     ``executor``: a ``distributed.RayExecutor`` (or None: this process's engine); its ``BlockDone``
     events name the worker, which the log's block and row events then carry."""
-    started, tokens, total = time.perf_counter(), 0, job.total_rows
-    accepted = spec_rows = 0  # drafts accepted / row-rounds of speculative steps, for the acceptance length
-    worker = None
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("rows"), TextColumn("{task.fields[tps]:>8.1f} tok/s"),
-                        TextColumn("acc {task.fields[acc]}"), TextColumn("k {task.fields[k]}"), TimeElapsedColumn(),
-                        TextColumn("eta"), TimeRemainingColumn(), console=out, disable=quiet, transient=False)
+    started, total = time.perf_counter(), job.total_rows
+    progress = ProgressView(job, out, quiet)
+    views = [progress, LogView(job, log)]  # each subscribes to the events it reports
     stopped: Interrupted | None = None
     events = job.events(run=executor.run if executor is not None else None)
     try:
-        with progress, _stop_on_signals(job):
-            task = None
+        with progress.bar, _stop_on_signals(job):
             for event in events:
-                if isinstance(event, Started):
-                    for note in event.notes:
-                        out.print(f"note: {note}", highlight=False)
-                    log.write("start", version=__version__, total_rows=event.total_rows, mode=event.mode,
-                              input=str(job.cfg.input),
-                              output=str(job.cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows)
-                    if event.resumed_rows:
-                        out.print(f"resuming: {event.resumed_rows} of {event.total_rows} rows already saved "
-                                  f"in {event.work_dir}", highlight=False)
-                        log.write("resumed", rows_saved=event.resumed_rows,
-                                  rows_left=event.total_rows - event.resumed_rows)
-                    task = progress.add_task(event.mode, total=event.total_rows, completed=event.resumed_rows,
-                                             tps=0.0, acc="-", k="-")
-                elif isinstance(event, RowResult):
-                    progress.advance(task)
-                    if event.finish_reason == "error":
-                        log.write("row_error", row=event.row, id=event.id, error=event.error,
-                                  **({"worker": worker} if worker else {}))
-                elif isinstance(event, StepStats):
-                    tokens += event.tokens_emitted
-                    if event.k > 0:
-                        accepted, spec_rows = accepted + sum(event.accepted), spec_rows + event.batch_size
-                    live_k = progress.tasks[0].fields["k"] if event.group_kind == "prefill" else \
-                        f"{event.k}" + (f" {event.drafter}" if event.k else "")  # the round's k and drafter
-                    length = acceptance_length(accepted, spec_rows)
-                    progress.update(task, tps=tokens / max(1e-9, time.perf_counter() - started),
-                                    acc="-" if length is None else f"{length:.2f}", k=live_k)
-                elif isinstance(event, WorkerBlockDone):
-                    worker = event.worker
-                    log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows,
-                              errors=event.errors, worker=event.worker, seconds=round(event.seconds, 3))
-                elif isinstance(event, BucketDone):
-                    log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
-                elif isinstance(event, Interrupted):
+                for view in views:
+                    handler = view.handlers.get(type(event))
+                    if handler is not None:
+                        handler(event)
+                if isinstance(event, Interrupted):
                     stopped = event
             if stopped is None:
                 events.close()

@@ -98,7 +98,7 @@ class GenerateConfig:
     bucket_width: int | None = None
     threads: int | None = None
     # packed: oneDNN-prepacked linear layers on a CPU (kernels.py); auto: packed for float32 on a CPU when the memory
-    # allows. The output metadata records the kernels that ran (plan.use_kernels).
+    # allows. The output metadata records the kernels that ran (assembly.use_kernels).
     kernels: str = setting("auto", metadata=True)
     # Scale-out (see distributed.py): how the job is spread, never what it computes.
     ray: bool = False
@@ -114,14 +114,9 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
 
-    @classmethod
-    def from_options(cls, options: dict) -> "GenerateConfig":
-        """The config from the `generate` command's parameters, named as `Setting.name`."""
-        fields = {s.name: s.field for s in settings()}
-        unknown = sorted(set(options) - set(fields))
-        if unknown:
-            raise TypeError(f"GenerateConfig has no setting for {', '.join(unknown)}")
-        return cls(**{fields[name]: value for name, value in options.items()})
+
+DEFAULT = GenerateConfig(input=Path(), output=Path())
+"""Every setting at its default: the `generate` command's options take their defaults from it."""
 
 
 @dataclass(frozen=True)

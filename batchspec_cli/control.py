@@ -1,78 +1,19 @@
 """The speculation policy: *where k is chosen*. Which drafter and which k a group runs this round (k = 0: a plain step).
 
-Policy apart from mechanism: nothing here touches a model or a tensor. The engine talks to a
-policy through one interface (``Policy``):
+Policy apart from mechanism: nothing here touches a model or a tensor; every choice is a
+function of measured numbers, tested with invented ones. The engine talks to a policy
+through one interface (``Policy``):
 
     policy.seed(calibration)       # bare-forward timings, when ``wants_seed()`` asks for them
     policy.choose(group, sources)  # -> Choice: k, who drafts (and, for model-free drafts, per row)
     policy.observe(report)         # -> what one round did (RoundReport), as measured
 
-``--mode ar|eqspec|exspec`` run ``FixedK``. ``--mode auto`` runs ``Auto``, which chooses between
-two whole policies (*arms*) by measured throughput (``Arms``):
-
-- PLAIN: k = 0 every round. No calibration and no draft prefill happen until SPEC is first tried.
-- SPEC: the per-round choice of drafter and k by expected goodput (``Goodput``).
-
-Each arm is judged by committed tokens per wall second over *windows* of at least
-``WINDOW_ROUNDS`` rounds and ``WINDOW_SECONDS`` seconds. Everything between two rounds counts
-(admission, growth, realignment, the draft's prefills and catch-up, calibration): the clock is
-the wall clock from one round's end to the next's, less the target's prefills of admitted rows
-(the same work whichever arm runs; where one lands would decide a window). A window's rate is
-the median over ``SUB_WINDOWS`` consecutive slices of its rounds, so one stall cannot decide.
-The job starts in PLAIN, tries SPEC after one window, and switches only when two windows of the
-challenger in a row beat the incumbent's adjacent window by ``MARGIN``; a losing challenger is
-re-tested after ``FIRST_RETEST`` incumbent windows, then after twice as many each time it
-loses again. A trial that is clearly behind (under ``CUT_BELOW`` of the incumbent's rate
-once half its window has run) ends there, so a losing trial costs half a window. A trial
-also has to be worth its price (``Arms.affordable``) when the engine knows how much work the
-job has left: it starts only if its price is at most ``TRIAL_SHARE`` of the time that work
-takes at the incumbent's rate. A first SPEC trial is priced at its calibration
-(``TRIAL_PRICE`` rounds) and the loss of half a window at the cut-off rate (a trial that is
-not clearly behind runs on; its rounds were the larger part of what first trials measurably
-cost, 0.22-0.28 s at batch 4-8 on a CPU, twice the calibration alone); a later trial of an
-arm at what the arm's last lost trial measurably cost: its rounds' seconds beyond what the
-incumbent would have taken for their tokens, its catch-ups and calibration included, the
-target's admission prefills not (either arm pays those). So a job too short to amortise a calibration never pays for one, and an arm that
-lost dearly is re-tested only in work long enough to repay it. No trial of either arm starts
-without room for a whole trial and as much work again after it (``TRIAL_ROOM`` windows): a
-win can only pay back in the work after it.
-
-Inside SPEC (``Goodput``), the option (drafter, k) with the highest expected goodput:
-
-    goodput(option) = sum_i E_i(k) / cost(option)
-    E_i(k)          = (1 - a_i^(k_i+1)) / (1 - a_i),  k_i = min(k, the row's draft length)
-
-``a_i`` is the row's own per-token acceptance for that drafter (``Acceptance``): a Beta
-estimate whose evidence decays by ``DECAY`` per round, with the job-wide estimate as its
-prior. A row's model-free draft is the drafter whose proposal has the most expected accepted
-tokens, ``sum_j a^(j+1)`` (``rank``). ``cost(option)`` is a whole round in seconds at this
-group size and context length (``Timings``), as the round's own clock measured it, plus the
-realignment before the next round that speculation causes. Calibration seeds the options
-from bare forwards at the real group's size and context; an option's first real round
-replaces its seed, capped like any later measurement at ``OUTLIER`` x the estimate. Seeds
-flatter speculation, so a drafter's k is tried one step past the largest k it has been
-measured at, and every ``EXPLORE_EVERY`` rounds of a group size the near-best option
-measured longest ago runs instead.
-
-Catch-up: a draft model's cache lags behind rows that ran plain steps (a PLAIN window
-leaves it behind; SPEC's window pays for bringing it up to date, on its wall clock). A model
-round feeds the missing columns in its first forward; once an option has a real
-measurement, the rounds' measured times include their catch-up, so while the policy keeps
-leaving the draft behind the catch-up shows in the option's cost as the recurring cost it
-is (a long catch-up is never an option's first measurement). The lag a group has now is
-charged at the cost per column the last real catch-up measured (calibrated until one ran;
-the calibration's short forwards under-price a long feed), spread over the rounds the rows have left, or,
-while SPEC is only on trial, over the trial's ``TRIAL_ROUNDS`` when that is shorter (a trial
-that loses leaves the draft behind again). While SPEC is on trial the pool holds the batch
-in flight (``wants_pool``): a losing trial has not paid for admitting a second batch. Once SPEC
-holds, the pool fills beyond a batch only while most of SPEC's recent rounds speculate
-(``POOL_DRAFTING``): the extra rows are there to group rows that speculation left at different
-lengths, and when the ruler picks plain steps they only cost KV growths that copy every live
-row (measured at batch 8 on long prompts: 13.8 s of growths against 2.1 s). Rows
-get a draft prefill at admission (``wants_draft``) while SPEC's ruler says a current draft
-pays and SPEC holds, or a window of SPEC's last trial at least matched PLAIN (a trial run
-mostly without the draft came close); the prefills count in SPEC's windows, never in
-PLAIN's, so PLAIN is not judged by SPEC's costs.
+``--mode ar|eqspec|exspec`` run ``FixedK``. ``--mode auto`` runs ``Auto``: two whole
+policies (*arms*) judged by measured throughput over windows of rounds (``Arms``): PLAIN
+(k = 0 every round, no calibration, no draft prefill, no draft model loaded) and SPEC (each
+round's drafter and k by expected goodput, ``Goodput``: ``sum_i E_i(k) / cost(option)``,
+``E_i(k) = (1 - a_i^(k_i+1)) / (1 - a_i)``). When trials start, what they are charged, and
+the measurements behind each constant: docs/design.md, "The speculation policy in detail".
 """
 
 from __future__ import annotations

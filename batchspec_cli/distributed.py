@@ -3,8 +3,8 @@
 An adapter, nothing more (the engine does not know Ray exists)::
 
     driver (Generation)                         Ray Data actor pool (``--ray-workers N``)
-    requests() -> blocks  ---- map_batches ---> Worker.__init__: load target + draft once,
-       (a length bucket, or a slice of one)                      build_engine(...) as a single process does
+    requests() -> blocks  ---- map_batches ---> Worker.__init__: assembly.assemble(...) once,
+       (a length bucket, or a slice of one)                      as a single process does
     events(run=RayExecutor.run) <------------- Worker.__call__: engine.run(block's requests)
        records rows + stats in the job's                        -> the block's RowResults and StepStats
        checkpoint parts, writes OUT at the end
@@ -16,7 +16,7 @@ own bookkeeping, so checkpoint parts, resume, fingerprint, lock and the final fi
 the single-process ones. A worker that dies is restarted by Ray and its block is run
 again (Ray Data retries the task); a block that arrives twice is dropped whole, so no row
 is lost or doubled. A row's completion does not depend on its block, its batch or its
-worker (see DESIGN §4), so the output equals a single-process run's.
+worker (docs/design.md, "What is guaranteed"), so the output equals a single-process run's.
 
 ``ray`` is imported only here and only when a ``RayExecutor`` starts: the package works
 without it (``pip install 'batchspec[ray]'`` adds it).
@@ -42,8 +42,8 @@ from typing import Iterable, Iterator
 from .config import GenerateConfig
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
-from .job import Generation, StepNumbering, build_engine
-from .plan import use_kernels
+from .assembly import assemble
+from .job import Generation, StepNumbering
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models
@@ -112,20 +112,11 @@ class Worker:
     def __init__(self, spec: WorkerSpec):
         import torch
 
-        from . import models
-
-        cfg = spec.cfg
         torch.set_num_threads(spec.threads)
-        self.target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=True)
-        self.draft = (models.load_draft(spec.draft_spec, self.target, cfg.dtype, cfg.device, quiet=True)
-                      if spec.draft_spec is not None else None)
-        use_kernels(cfg.kernels, self.target, self.draft)  # auto: by this worker's own free memory
-        eos_ids = models.eos_ids(self.target.model, self.target.tokenizer)
-        # run() resets the rows' state; the policy's timings and the drafters' indexes carry over between blocks
-        self.engine = build_engine(cfg, spec.mode, self.target, self.draft, eos_ids, spec.lookup_names)
-        for drafter in self.engine.lookups:
-            for prompt, completion in spec.preload:
-                drafter.preload(prompt, completion)
+        # As a single process does (--kernels auto: by this worker's own free memory). run() resets the rows'
+        # state; the policy's timings, the drafters' indexes and a loaded draft carry over between blocks.
+        self.engine = assemble(spec.cfg, spec.mode, spec.draft_spec, spec.lookup_names, quiet=True).engine
+        self.engine.preload(spec.preload)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
@@ -273,7 +264,7 @@ class RayExecutor:
 
     def worker_spec(self) -> WorkerSpec:
         """The spec every worker is built from, once the job's requests were read (their saved rows included)."""
-        return dataclasses.replace(self.spec, preload=tuple(self.job.preloads))
+        return dataclasses.replace(self.spec, preload=tuple(self.job.preloads()))
 
     def _arrivals(self, ds) -> Iterator[dict]:
         """The dataset's output rows as they arrive; ends early once the job is asked to stop.

@@ -21,7 +21,9 @@ how it is brought into one rectangle, and which k it runs:
 
 Drafters (``drafters``): the draft model (``ModelDrafter``: its own slot cache, caught up in
 one forward when it lags) and model-free ones that propose from host-side indexes, all
-behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. Tokens
+behind ``propose(rows, k) -> Proposal``; rows may get fewer than k drafts, or none. The draft
+model may come as a function that loads it (``assembly.LazyDraft``): it is called when the
+draft is first used, so a job that never speculates never loads it. Tokens
 are chosen by the Gumbel-max coupling of ``sampling`` (greedy rows: g = 0), so no choice of
 mode, drafter or k changes an output.
 
@@ -31,27 +33,30 @@ Which rows run together and which rows move where is decided by pure functions i
 slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
 Without a drafter the pool holds one batch: rows that never speculate stay in step.
 
-One round (``_round``): 0. prepare the group (one rectangle, one slot range) and choose k,
-1. draft, 2. verify in one target forward, 3. accept, 4. commit; then the policy observes the
-round's ``RoundReport``, from which its ``StepStats`` are made. Exactly one host sync per
+One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), then
+(``_round``) choose k, 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then
+the policy observes the round's ``RoundReport``, and the round returns its ``RoundOutcome``
+(its ``StepStats`` and finished rows), which ``run`` yields. Which requests enter the pool,
+and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s. Exactly one host sync per
 round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from . import drafters as drafting
 from . import sampling
+from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, selection
 from .attention import folded_sdpa, group_forward
-from .config import MODES
+from .config import DEFAULT, MODES
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import NonFiniteLogits, Request, RowResult, StepStats
@@ -67,16 +72,18 @@ _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway
 
 @dataclass
 class EngineConfig:
-    mode: str = "auto"  # auto | ar | eqspec | exspec
-    k: int = 5  # draft tokens per round (auto: the most)
-    batch_size: int = 8
-    window: int | None = None  # pool size of exspec and auto (default: pool_window)
+    """The engine's settings; their defaults are the `generate` command's (``config.DEFAULT``)."""
+
+    mode: str = DEFAULT.mode  # auto | ar | eqspec | exspec
+    k: int = DEFAULT.k  # draft tokens per round (auto: the most)
+    batch_size: int = DEFAULT.batch_size
+    window: int | None = DEFAULT.window  # pool size of exspec and auto (None: pool_window)
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
     min_group: float = 1.0
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
-    logprobs_mode: str = "raw"  # the distribution of the rows' log-probabilities (see logprobs.py)
+    logprobs_mode: str = DEFAULT.logprobs_mode  # the distribution of the rows' log-probabilities (logprobs.py)
 
 
 def pool_window(batch_size: int, window: int | None = None) -> int:
@@ -124,6 +131,37 @@ class Committed:
     logprobs: RoundLogprobs | None = None  # the log-probabilities of the rows that asked (logprobs.Recorder)
 
 
+@dataclass
+class Prepared:
+    """A group brought into one rectangle (``Engine._prepare``), for its round."""
+
+    plan: MovePlan  # the grouping's decision; plan.slots: [G] the group's slots after the move
+    moved: int  # KV entries copied for rows whose padded length changed (realignment)
+    gathered: int  # KV entries copied for rows that only changed slot (assembly)
+    pad_before: int  # the group's padding before the move
+    bucket: int  # the first row's length bucket
+    started: float  # perf_counter when the round began (its prepare included)
+    clock: Clock  # the round's marks, "prepare" and "prepared" set
+
+
+@dataclass
+class SinceRound:
+    """What happened since the last round ended: the next round's report counts it (the policy's wall clock)."""
+
+    ended: float  # perf_counter when the last round ended (or the run started)
+    draft_prefill_s: float = 0.0  # draft prefills at admission since then (within the next round's elapsed_s)
+    admit_s: float = 0.0  # the target's admission prefills since then (within the next round's elapsed_s)
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did: its step's statistics and the rows it finished."""
+
+    stats: StepStats
+    finished: list[RowResult]
+    ended: float  # perf_counter at the round's end
+
+
 def _contiguous_first(free: list[int], n: int) -> list[int]:
     """n free slots, one contiguous run when there is one (the admitted group then reads views)."""
     for i in range(len(free) - n + 1):
@@ -133,18 +171,22 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 
 
 class Engine:
-    def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
-                 stop_checker: StopChecker | None = None, lookups: list[drafting.Drafter] | None = None,
-                 policy: Policy | None = None):
+    def __init__(self, target: ModelHandle, draft: ModelHandle | Callable[[], ModelHandle] | None, eos_ids: list[int],
+                 cfg: EngineConfig, stop_checker: StopChecker | None = None,
+                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None):
+        """``draft``: the draft model, or a function that loads it, called when the draft is first used (auto:
+        at its first speculative trial; eqspec and exspec: at their first admission)."""
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
-        self.draft = None if plain else draft
+        self.draft = None if plain or callable(draft) else draft  # the draft model once loaded (``_drafter``)
+        self._load_draft = draft if callable(draft) and not plain else None
+        drafts = self.draft is not None or self._load_draft is not None
         self.lookups = [] if plain else list(lookups or [])
-        if cfg.mode in ("eqspec", "exspec") and self.draft is None and not self.lookups:
+        if cfg.mode in ("eqspec", "exspec") and not drafts and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
-        self.max_k = 0 if plain or (self.draft is None and not self.lookups) else cfg.k
+        self.max_k = 0 if plain or (not drafts and not self.lookups) else cfg.k
         # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
         window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
         self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
@@ -156,8 +198,9 @@ class Engine:
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
         self.step_no = 0
-        self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
-                              if self.draft is not None and self.max_k > 0 else None)
+        self.has_draft = drafts and self.max_k > 0  # a draft model, loaded or not yet
+        self.model_drafter: ModelDrafter | None = None
+        self._models = contextlib.ExitStack()  # the run's folded attention, entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
         if policy is None:
             policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
@@ -167,39 +210,45 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
         """Decode every request; the models run the folded GQA attention (``attention.folded_sdpa``) for the run only.
         Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
-        self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
-        stream = iter(requests)
-        self._reset()
-        with folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)):
+        self._reset(Admission(requests, self.cfg.batch_size))
+        with self._models:
+            self._models.enter_context(folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)))
             while True:
-                yield from self._admit_from(stream)
+                yield from self._admit_from()
                 if not self.pool.live:
-                    if self.exhausted:
+                    if self.admission.exhausted:
                         return
                     continue
-                slots = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
-                self.group = slots
+                group = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
                 try:
-                    yield from self._round(slots)
+                    prepared = self._prepare(group)
+                    group = prepared.plan.slots
+                    outcome = self._round(prepared)
                 except torch.OutOfMemoryError as exc:
-                    yield from self._out_of_memory(self.group, exc)
+                    yield from self._out_of_memory(group, exc)
+                    continue
+                self.step_no, self.since = outcome.stats.step, SinceRound(outcome.ended)
+                yield outcome.stats
+                yield from outcome.finished
+
+    def preload(self, saved: Iterable[tuple[list[int], list[int] | None]]) -> None:
+        """Teach the model-free drafters the rows an interrupted run of the job saved: (prompt, completion or
+        None), in run order, as the drafters of an uninterrupted run had learnt them."""
+        for prompt, completion in saved:
+            for drafter in self.lookups:
+                drafter.preload(prompt, completion)
 
     # ------------------------------------------------------------------ state
-    def _reset(self) -> None:
-        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.model_drafter is not None)
+    def _reset(self, admission: Admission) -> None:
+        self.admission = admission  # the run's requests, read as free slots ask for them
+        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
         self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
         self.tcache, self.dcache = self.pool.target, self.pool.draft
         if self.model_drafter is not None:
             self.model_drafter.cache = self.dcache
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
-        self.exhausted = False
-        self.pulled = 0  # requests read from the stream
-        self.limits_seen = self.rows_seen = 0  # the admitted rows' token limits, summed, and their count
-        self.held_back: Request | None = None  # read from the stream, held back for the next chunk (another bucket)
-        self.round_ended = time.perf_counter()  # the policy's windows count the wall clock from here
-        self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
-        self.admit_s = 0.0  # the target's admission prefills since the last round (within its elapsed_s)
+        self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
 
     def _check(self, req: Request) -> str | None:
@@ -210,11 +259,12 @@ class Engine:
         return None
 
     def _limit(self, req: Request) -> int:
+        """A row's token limit, worked out once at admission (``SlotState.limit``)."""
         return req.max_new_tokens if self.context is None else min(req.max_new_tokens,
                                                                    self.context - len(req.prompt_ids))
 
     # ------------------------------------------------------------------ admission
-    def _admit_from(self, stream: Iterator[Request]) -> Iterator[RowResult | StepStats]:
+    def _admit_from(self) -> Iterator[RowResult | StepStats]:
         """Admit new prompts into free slots, in chunks of at most a batch.
 
         The pooled modes admit a whole batch at a time (admitted rows form one same-length
@@ -232,27 +282,11 @@ class Engine:
             free = free[: max(0, self.cfg.batch_size - len(self.pool.live))]
         elif self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
-        while free and not self.exhausted:
-            chunk = []
-            while len(chunk) < min(len(free), self.cfg.batch_size):
-                req, self.held_back = self.held_back or self._pull(stream), None
-                if req is None:
-                    self.exhausted = True
-                    break
-                error = self._check(req)
-                if error:
-                    yield self._error_row(req, error)
-                    continue
-                if chunk and req.bucket != chunk[0].bucket:  # one prefill pads to one bucket's length, not the next
-                    self.held_back = req
-                    break
-                chunk.append(req)
-            if chunk:
-                yield from self._admit(chunk, free)
-                free = [s for s in free if s not in self.pool.live]
-        if not self.exhausted and self.held_back is None:  # whether rows are left to come (the policy's horizon)
-            self.held_back = self._pull(stream)
-            self.exhausted = self.held_back is None
+        for chunk in self.admission.chunks(free, self.pool.is_free, self._check):
+            if isinstance(chunk, RowResult):  # a request that cannot run
+                yield chunk
+            else:
+                yield from self._admit(*chunk)
 
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
@@ -266,9 +300,9 @@ class Engine:
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
-                yield self._error_row(req, "out of memory: no room for this row's KV cache")
+                yield error_row(req, "out of memory: no room for this row's KV cache")
             return
-        self.limits_seen, self.rows_seen = self.limits_seen + sum(limits), self.rows_seen + len(limits)
+        self.admission.admitted(limits)
         keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
         self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         self.logprobs.admit(chunk)
@@ -279,8 +313,8 @@ class Engine:
         prefill_started = time.perf_counter()
         errors = self._prefill(slots, end)
         self._sync()
-        self.admit_s += time.perf_counter() - prefill_started
-        if self.model_drafter is not None and self.policy.wants_draft():
+        self.since.admit_s += time.perf_counter() - prefill_started
+        if self.has_draft and self.policy.wants_draft():
             self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
@@ -291,6 +325,16 @@ class Engine:
         yield from errors
 
     @torch.no_grad()
+    def _drafter(self) -> ModelDrafter:
+        """The draft model's drafter, its model loaded on first use (within a run: it runs folded attention too)."""
+        if self.model_drafter is None:
+            if self.draft is None:
+                self.draft = self._load_draft()
+                self._models.enter_context(folded_sdpa(self.draft.model))
+            self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
+            self.model_drafter.cache = self.dcache
+        return self.model_drafter
+
     def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
         """Fill the target cache of new rows; on out-of-memory, prefill the halves one after the other.
 
@@ -316,13 +360,13 @@ class Engine:
         rows_index = selection(slots, self.device)
         started = time.perf_counter()
         try:
-            self.model_drafter.prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
+            self._drafter().prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
         finally:
-            self.draft_prefill_s += time.perf_counter() - started
+            self.since.draft_prefill_s += time.perf_counter() - started
         for s in slots:
             self.state.draft_end[s] = end - 2
 
@@ -367,13 +411,14 @@ class Engine:
         for w in range(3, top):  # linear in between
             verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
         draft = None
-        if self.model_drafter is not None:
+        if self.has_draft:
+            self._drafter()  # loads the draft model at its first calibration
+            handle = self.draft
             context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
             # tokens: [G, > context + K+1]
             tokens = self.layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
             cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
             whole = slice(0, group)
-            handle = self.draft
             timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, :context], zeros, 0)  # prefill, warm-up
             draft = {w: timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, context : context + w], zeros,
                               context) for w in sorted({1, 2, top})}
@@ -402,17 +447,23 @@ class Engine:
         yield self._end_row(slots[0], "error", "out of memory even for this row alone")
 
     # ------------------------------------------------------------------ one round
-    def _round(self, slots: list[int]) -> Iterator[RowResult | StepStats]:
+    def _prepare(self, slots: list[int]) -> Prepared:
+        """0. Prepare: the selected group in one rectangle in one slot range (the round's clock starts here)."""
         started, clock, state = time.perf_counter(), Clock(self.device), self.state
         pad_before = sum(state.pad[s] for s in slots)
         bucket = state.rows[slots[0]].bucket
-        # 0. Prepare: one rectangle in one slot range; then the policy's k and the drafts' noise.
         clock.mark("prepare")
         plan = self.strategy.plan(self.pool.view(), slots)
         moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
-        slots = plan.slots
-        self.group = slots
         clock.mark("prepared")
+        return Prepared(plan, moved, gathered, pad_before, bucket, started, clock)
+
+    def _round(self, prepared: Prepared) -> RoundOutcome:
+        """One round over a prepared group: k, draft, verify, accept, commit; what happened, as a ``RoundOutcome``
+        (the round changes the rows, the pool and the policy's measurements, and nothing of the engine's own)."""
+        plan, clock, started, state = prepared.plan, prepared.clock, prepared.started, self.state
+        slots = plan.slots
+        # 0. (prepared) The policy's k and the drafts' noise.
         T = state.end[slots[0]]
         rows_index = selection(slots, self.device)
         pad = self.pool.pads(slots)  # [G]
@@ -463,40 +514,28 @@ class Engine:
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
             seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.round_ended, draft_prefill_s=self.draft_prefill_s, admit_s=self.admit_s,
-            tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
+            elapsed_s=ended - self.since.ended, draft_prefill_s=self.since.draft_prefill_s,
+            admit_s=self.since.admit_s, tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
             verify_s=clock.seconds("verify", "accepted"))
-        self.round_ended, self.draft_prefill_s, self.admit_s = ended, 0.0, 0.0
         window = self.policy.observe(report)
         live_in_group = [s for s in slots if state.rows[s] is not None]
-        yield StepStats(
-            bucket=bucket, step=self._next_step(), group_kind=self._kind(plan), batch_size=len(slots), k=k,
-            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=pad_before,
-            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=moved, kv_gathered=gathered,
+        stats = StepStats(
+            bucket=prepared.bucket, step=self.step_no + 1, group_kind=self._kind(plan), batch_size=len(slots), k=k,
+            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=prepared.pad_before,
+            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=prepared.moved,
+            kv_gathered=prepared.gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
             realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
             gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
             expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
             plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
-        yield from results
-
-    def _pull(self, stream: Iterator[Request]) -> Request | None:
-        req = next(stream, None)
-        self.pulled += req is not None
-        return req
+        return RoundOutcome(stats, results, ended)
 
     def _tokens_left(self) -> int | None:
-        """The most tokens the job has left: the rows in flight's limits, and rows to come at the mean limit of
-        the rows admitted so far (the run's requests have a length, or the stream has ended); None when unknown."""
+        """The most tokens the job has left (``Admission.tokens_left``), the rows in flight's included."""
         state = self.state
-        left = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in self.pool.live)
-        if self.exhausted and self.held_back is None:
-            return left
-        if self.total is None:
-            return None
-        to_come = max(0, self.total - self.pulled) + (self.held_back is not None)
-        return left + to_come * self.limits_seen // max(1, self.rows_seen)
+        return self.admission.tokens_left(sum(state.limit[s] - len(state.ids[s]) for s in self.pool.live))
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
@@ -510,7 +549,7 @@ class Engine:
             return {}
         state = self.state
         rows = Rows([state.rows[s].row for s in slots])
-        room = [max(0, min(self.max_k, self._limit(state.rows[s]) - len(state.ids[s]) - 1)) for s in slots]
+        room = [max(0, min(self.max_k, state.limit[s] - len(state.ids[s]) - 1)) for s in slots]
         proposals = {}
         for drafter in self.lookups:  # no draft past the end
             proposal = drafter.propose(rows, self.max_k)
@@ -522,9 +561,9 @@ class Engine:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
         state = self.state
         rows = [state.rows[s].row for s in slots]
-        remaining = sum(self._limit(state.rows[s]) - len(state.ids[s]) for s in slots) / len(slots)
+        remaining = sum(state.limit[s] - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
-        if self.model_drafter is not None:
+        if self.has_draft:
             sources["model"] = Offer(None, state.end[slots[0]] - min(state.draft_end[s] for s in slots))
         choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
         if not choice.k:
@@ -563,7 +602,7 @@ class Engine:
             rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.layout.tokens[rows_index, :T], pad,
                         min(self.state.draft_end[s] for s in slots),
                         lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))
-            return self.model_drafter.propose(rows, k), ["model"] * len(slots)
+            return self._drafter().propose(rows, k), ["model"] * len(slots)
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
@@ -629,9 +668,6 @@ class Engine:
                 finished.append(self._end_row(slot, _REASONS[codes[i]]))
         return Committed(emitted, kept, codes, committed.blocks, committed.logprobs), finished
 
-    def _error_row(self, req: Request, error: str) -> RowResult:
-        return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
-
     def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
         """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
         state = self.state
@@ -642,7 +678,7 @@ class Engine:
                                prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
         else:
             self.logprobs.pop(req.row)
-            result = self._error_row(req, error)
+            result = error_row(req, error)
         self.pool.free(slot)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)

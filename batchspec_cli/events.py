@@ -84,28 +84,36 @@ class RowResult:
 
 @dataclass
 class StepStats:
-    """One speculative step: one group through one round (or one AR step)."""
+    """One step: one group through one round (or one AR step, or an admission's prefill).
 
-    bucket: int
-    step: int
-    group_kind: str  # same_length | realigned | prefill | ar
-    batch_size: int
+    The step's facts come first: what ran and what it committed, as measured. The policy's
+    trace follows (what ``control`` expected and chose; zeros and "" under a fixed k): the
+    two sets are kept apart so that a statistic is never read from the decision it checks.
+    One flat record: the statistics file has one column per field.
+    """
+
+    # -- the step's facts
+    bucket: int  # the length bucket of the group's first row
+    step: int  # 1, 2, ... over the job (prefills included)
+    group_kind: str  # same_length | realigned | prefill | ar (from the grouping's decision)
+    batch_size: int  # rows in the group: G
     k: int  # the round's speculation length (0: a plain step)
-    accepted: list[int]  # per row, drafts accepted and kept this round
+    accepted: list[int]  # [G] drafts accepted and kept this round
     tokens_emitted: int  # tokens committed this round over all rows (after stop cuts)
     pad_before: int  # padding columns in the group's rectangle before the round
     pad_after: int  # ... and after commit/realignment
     kv_moved: int  # KV entries (token x layer, both models) copied by realignment
     kv_gathered: int  # KV entries copied to assemble the group from the pool
-    draft_ms: float
-    verify_ms: float
-    realign_ms: float
-    gather_ms: float  # time spent moving a group's rows into one slot range without realigning them (assembly)
-    total_ms: float
+    draft_ms: float  # drafting (the draft model's forwards, its catch-up included; model-free lookups)
+    verify_ms: float  # the target's forward over [last committed, drafts] (a prefill's whole time)
+    realign_ms: float  # moving the group's rows into one rectangle when that realigned them
+    gather_ms: float  # moving a group's rows into one slot range without realigning them (assembly)
+    total_ms: float  # the whole round, its preparation included
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
+    # -- the policy's trace (control.Choice and the arms' windows)
     expected_tokens: float = 0.0  # the policy's expected committed tokens for this round (before stops)
     expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
     plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group
     arm: str = ""  # auto's arm for this round: "plain" (k = 0 throughout) or "spec"; "" for a fixed k
-    window_tokens_per_s: float = 0.0  # auto: the rate of the window this round closed (admission prefills out; 0: none)
+    window_tokens_per_s: float = 0.0  # auto: the rate of the window this round closed (prefills out; 0: none)

@@ -31,10 +31,9 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from buckets import BucketError, iter_bucket_rows
+from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
 from . import __version__
-from . import drafters
 from . import logprobs as lp
 from . import lookup
 from . import merge
@@ -44,7 +43,7 @@ from . import outputs
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
 from .config import GenerateConfig, UsageError, os_error_message, settings_record, validate
-from .engine import Engine, EngineConfig, ModelHandle, pool_window
+from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
@@ -55,8 +54,8 @@ from .stops import StopStrings
 Executor = Callable[[Iterable[Request]], Iterator[object]]
 """Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
 
-__all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "build_engine",
-           "metadata", "work_dir_for"]
+__all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "metadata",
+           "work_dir_for"]
 
 
 class Counted:
@@ -168,9 +167,7 @@ class Generation:
         self.done[plan.resumed] = True
         self.done[[r.row for r in plan.announce]] = True
         self.done_rows = int(self.done.sum())
-        # saved rows (prompt, completion) the drafters relearn: the newest within the suffix index's token bound
-        self.preloads: list[tuple[list[int], list[int] | None]] = []
-        self.lookups: list = []  # this process's model-free drafters (see engine())
+        self._preloaded = False  # whether this process's engine has learnt the saved rows (engine())
         self.interrupted = False
         self._stop_signal: int | None = None
         self._stop_requested = False
@@ -231,23 +228,18 @@ class Generation:
         temperature, seed, max_new, top_p, stops, logprobs = (
             plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
         saved = self.done.copy()
-        relearn = self._relearned() if plan.lookup_names and plan.resumed_rows else {}
         current = None
         for bucket, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
             if bucket.index != current:
                 if current is not None:
                     self._progress.seal(current)
                 current = bucket.index
-            rows = batch.column("__row").to_pylist()
-            ids = batch.column("__prompt_ids").to_pylist()
+            rows = batch.column(ROW_COLUMN).to_pylist()
+            ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
             for row, prompt in zip(rows, ids):
                 if row >= plan.total_rows:  # a bucket directory's row beyond --limit
                     continue
-                if saved[row]:  # saved by an interrupted run: what it taught the drafters is taught again
-                    if row in relearn:
-                        self.preloads.append((prompt, relearn[row]))
-                        for drafter in self.lookups:  # this process's engine (a Ray worker's: WorkerSpec.preload)
-                            drafter.preload(*self.preloads[-1])
+                if saved[row]:  # saved by an interrupted run (its drafters' lessons: preloads)
                     continue
                 self._progress.handed_out(row, bucket.index)
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
@@ -264,12 +256,15 @@ class Generation:
         if current is not None:
             self._progress.seal(current)
 
-    def _relearned(self) -> dict[int, list[int] | None]:
-        """The saved rows the drafters relearn on resume and their completions (None: an error row): the last
-        ones in bucket order whose documents fit the suffix index's token bound (the index would evict the
-        earlier ones: keeping them would only make the job's memory grow with the job)."""
-        plan, bound = self.plan, lookup.SuffixIndex().max_tokens
-        tail = lookup.SuffixIndex().max_depth - 1
+    def preloads(self) -> list[tuple[list[int], list[int] | None]]:
+        """The rows an interrupted run saved, as the drafters learn them again: (prompt, completion or None for an
+        error row), in bucket order; only the last ones whose documents fit the suffix index's token bound (the
+        index would evict the earlier ones: keeping them would make the job's memory grow with the job). Read
+        from the buckets and the parts only when the job resumed."""
+        plan = self.plan
+        if not plan.resumed_rows:
+            return []
+        bound, tail = lookup.SuffixIndex().max_tokens, lookup.SuffixIndex().max_depth - 1
         completion = np.full(plan.total_rows, -1, np.int64)  # [rows] saved completion length (-1: none or error)
         for path in self.work.part_paths("rows"):
             table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
@@ -278,8 +273,8 @@ class Generation:
             completion[table.column("row").to_numpy()] = np.where(ok, lengths, -1)
         order, tokens = [], []  # saved rows in bucket order, and the tokens their documents hold
         for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
-            rows = batch.column("__row").to_numpy()
-            prompt = pc.list_value_length(batch.column("__prompt_ids")).to_numpy(zero_copy_only=False)
+            rows = batch.column(ROW_COLUMN).to_numpy()
+            prompt = pc.list_value_length(batch.column(PROMPT_IDS_COLUMN)).to_numpy(zero_copy_only=False)
             mine = rows < plan.total_rows
             mine[mine] = self.done[rows[mine]]
             rows, prompt = rows[mine], prompt[mine]
@@ -295,13 +290,19 @@ class Generation:
             table = table.filter(np.isin(table.column("row").to_numpy(), wanted))
             for row, ids, reason in zip(*(table.column(c).to_pylist() for c in table.column_names)):
                 relearn[row] = ids if reason != "error" else None
-        return relearn
+        saved = []
+        for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
+            for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
+                if row in relearn:
+                    saved.append((prompt, relearn[row]))
+        return saved
 
     def engine(self) -> Engine:
-        plan = self.plan
-        engine = build_engine(self.cfg, plan.mode, plan.target, plan.draft, plan.eos_ids, list(plan.lookup_names))
-        self.lookups = engine.lookups
-        return engine
+        """This process's engine (the plan's), taught the saved rows of an interrupted run once."""
+        if not self._preloaded:
+            self.plan.engine.preload(self.preloads())
+            self._preloaded = True
+        return self.plan.engine
 
     def stop(self, signal: int | None = None) -> None:
         """Ask the run to end after the current step (safe to call from a signal handler)."""
@@ -362,14 +363,13 @@ class Generation:
 
     # ------------------------------------------------------------------ output
     def texts(self, results: list[RowResult]) -> list[str]:
-        """The completions' texts (one batch decode), each cut at its first stop string when it stopped there."""
-        out = self.plan.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-        for i, r in enumerate(results):
-            if r.finish_reason == "stop_string":
-                stops = self.cfg.stop + row_value(self.plan.overrides.get("stop"), r.row, ())
-                text = out[i]
-                out[i] = text[: min((j for j in (text.find(s) for s in stops) if j >= 0), default=len(text))]
-        return out
+        """The rows' completions as text, decoded in one batch (a stop string and what follows it excluded:
+        ``StopStrings.text``)."""
+        tokenizer, overrides = self.plan.tokenizer, self.plan.overrides.get("stop")
+        stops = StopStrings(tokenizer, self.cfg.stop)
+        plain = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
+        return [stops.text(r.token_ids, row_value(overrides, r.row, ())) if r.finish_reason == "stop_string"
+                else text for r, text in zip(results, plain)]
 
     def finish(self) -> dict:
         """Write both files atomically, streamed from the checkpoint parts one range of rows at a time (see
@@ -432,21 +432,6 @@ def _release(work: WorkDir, threads_before: int | None) -> None:
     except (CheckpointError, OSError):
         pass  # a work directory that cannot be cleaned is left as it is (the error is reported already)
     work.unlock()
-
-
-def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: models.LoadedModel | None,
-                 eos_ids: list[int], lookup_names: list[str]) -> Engine:
-    """The engine of one job for a set of loaded models: the one place an ``Engine`` is built
-    (a single-process run and every distributed worker go through it)."""
-    tokenizer = target.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
-                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
-    target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
-    draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
-    checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
-    return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
-                  lookups=drafters.make(lookup_names))
 
 
 def _transformers_version() -> str:

@@ -1,5 +1,5 @@
 """CPU kernels: linear layers with oneDNN-prepacked weights (inference only; ``--kernels auto`` uses them on a CPU
-in float32 when the memory allows, see ``plan.use_kernels``).
+in float32 when the memory allows, see ``assembly.use_kernels``).
 
 On a CPU, a forward of a few new tokens (a verify of k + 1 tokens, a short catch-up) runs
 its linear layers as small-M matrix products, which MKL's general path does far less

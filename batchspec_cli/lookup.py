@@ -1,7 +1,7 @@
 """Model-free drafters: prompt lookup (``ngram``) and a job-wide suffix index (``suffix``).
 
 Both propose draft tokens from text that already exists, so a draft costs no forward
-(``c`` ≈ 0 in §12's cost model). Token ids are Python ints. Every structure grows as tokens
+(``c`` ≈ 0 in the goodput cost model of ``control``). Token ids are Python ints. Every structure grows as tokens
 commit and is never rebuilt; none of them prints, and none can change an output (the
 verify step decides every token), only how many drafts are accepted.
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["LookupDraft", "PromptLookup", "SuffixIndex", "SuffixCorpus", "SuffixRow"]
@@ -68,7 +68,7 @@ class PromptLookup:
 
     Defaults ``min_n=2, max_n=4``: a single shared token (",", " the") says little about what
     follows and a wrong draft costs nearly a full token of compute at batch 8-16 on the CPU
-    (§12); two tokens already pin down copy spans, and beyond four the longer key rarely
+    (docs/performance.md); two tokens already pin down copy spans, and beyond four the longer key rarely
     changes which occurrence is chosen (vLLM's documented ``prompt_lookup_max`` is 4).
 
     Structure: a trie over the text read *backwards*, cut at depth ``max_n``. The node
@@ -194,7 +194,7 @@ class SuffixIndex:
     retained. The newest document is never evicted, so after every ``add``/``extend``::
 
         nodes  <= max(max_nodes, max_depth × len(newest document))
-        bytes  ≈ nodes × NODE_BYTES + tokens × 4   (memory_estimate())
+        bytes  ≈ nodes × NODE_BYTES + tokens × TOKEN_BYTES
 
     and during a call the trie may exceed that by ``max_depth`` nodes per token of that
     call. ``NODE_BYTES`` = 100 is an upper bound measured with tracemalloc on CPython 3.11
@@ -238,19 +238,6 @@ class SuffixIndex:
         self._docs: deque[array] = deque()  # retained documents, oldest first
         self._active: list[int] = []  # ids for the newest document's last 0..max_depth-1 tokens
 
-    @classmethod
-    def from_documents(cls, documents: Iterable[Sequence[int]], **kwargs) -> SuffixIndex:
-        """Rebuild (e.g. on resume) by adding ``documents`` in order: exactly repeated ``add``.
-
-        Feed them in the order the run added them (for the drafter: each row's prompt, then
-        its completion document, as ``drafters.SuffixDrafter.preload`` does) to get the same index when
-        nothing was evicted, or the same retained window when something was.
-        """
-        index = cls(**kwargs)
-        for doc in documents:
-            index.add(doc)
-        return index
-
     def __len__(self) -> int:
         """Number of retained documents."""
         return len(self._docs)
@@ -259,13 +246,9 @@ class SuffixIndex:
         """The retained documents, oldest first (for tests and debugging)."""
         return [list(doc) for doc in self._docs]
 
-    def memory_estimate(self) -> int:
-        """Bytes held, by the bound's formula (nodes × NODE_BYTES + tokens × TOKEN_BYTES)."""
-        return self.nodes * self.NODE_BYTES + self.tokens * self.TOKEN_BYTES + len(self._docs) * 100
-
     def memory_bound(self) -> int:
-        """``memory_estimate()`` at the caps (a newest document longer than
-        ``max_nodes / max_depth`` tokens may add its own ``max_depth`` nodes per token)."""
+        """The bound's bytes at the caps (a newest document longer than ``max_nodes / max_depth`` tokens may add its
+        own ``max_depth`` nodes per token)."""
         return self.max_nodes * self.NODE_BYTES + self.max_tokens * self.TOKEN_BYTES
 
     # -- nodes --------------------------------------------------------------------------
@@ -414,13 +397,6 @@ class SuffixIndex:
             if node >= 0 and self._succ[node] > 0:
                 return d, node
         return 0, -1
-
-    def next_counts(self, context: Sequence[int]) -> tuple[int, dict[int, int]]:
-        """(match length, {next token: count}) for the longest matched suffix of ``context``."""
-        d, node = self._match(list(context[-(self.max_depth - 1) :]))
-        if node < 0:
-            return 0, {}
-        return d, {self._tok[c]: self._cnt[c] for c in self._children(node)}
 
     def draft(self, context: Sequence[int], k: int, min_prob: float | None = None) -> LookupDraft:
         """Walk the most frequent continuation of ``context``'s longest match; see the class."""

@@ -348,16 +348,22 @@ def load_tokenizer(spec: str | None, quiet: bool = False) -> tuple[PreTrainedTok
     return tokenizer, name
 
 
+def _supported_config(name: str, folder: Path) -> PreTrainedConfig:
+    """The model's config, refused (``check_supported``) before any weights are read."""
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelError(f"cannot read the config of model '{name}': {one_line(exc)}") from None
+    check_supported(config, name=name)
+    return config
+
+
 def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quiet: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer, ready for inference (eval, no grad, on device)."""
     torch_device = resolve_device(device)
     name, folder = _resolve(spec, quiet)
     with _quiet(quiet):
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except Exception as exc:
-            raise ModelError(f"cannot read the config of model '{name}': {one_line(exc)}") from None
-        check_supported(config, name=name)
+        config = _supported_config(name, folder)
         torch_dtype = resolve_dtype(dtype, torch_device, _config_dtype(config))
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -429,11 +435,8 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise ModelError(f"cannot load draft '{name}': {one_line(exc)}") from None
+    _check_borrowed_embeddings(name, config, meta, target)
     embed_in, embed_out = tmodel.get_input_embeddings(), tmodel.get_output_embeddings()
-    if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
-            embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
-        raise ModelError(f"draft '{name}' borrows the embeddings of {meta.get('target', 'another model')}; "
-                         f"they are not the embeddings of target '{target.name}'")
     head_ids = weights.pop("head_ids")
     with _quiet(quiet):
         model = AutoModelForCausalLM.from_config(config, dtype=tmodel.dtype)
@@ -450,6 +453,31 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     model.requires_grad_(False)
     check_supported(model, name=name)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
+
+
+def check_draft(spec: str, target: LoadedModel, quiet: bool = False) -> tuple[str, Path]:
+    """(display name, local directory) of a draft for ``target``, vetted without reading its weights: its config
+    must be supported, and a shared-embedding draft must have been trained against ``target``'s embeddings
+    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used)."""
+    name, folder = _resolve(spec, quiet)
+    with _quiet(quiet):
+        config = _supported_config(name, folder)
+    if (folder / SHARED_DRAFT_FILE).is_file():
+        try:
+            meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
+        except Exception as exc:
+            raise ModelError(f"cannot load draft '{name}': {one_line(exc)}") from None
+        _check_borrowed_embeddings(name, config, meta, target)
+    return name, folder
+
+
+def _check_borrowed_embeddings(name: str, config: PreTrainedConfig, meta: dict, target: LoadedModel) -> None:
+    """Refuse a shared-embedding draft for a target whose embeddings are not the ones it was trained against."""
+    embed_out = target.model.get_output_embeddings()
+    if (config.hidden_size, config.vocab_size) != tuple(embed_out.weight.shape[::-1]) or \
+            embed_digest_differs(meta.get("target_embedding_digest"), embedding_digest(embed_out.weight)):
+        raise ModelError(f"draft '{name}' borrows the embeddings of {meta.get('target', 'another model')}; "
+                         f"they are not the embeddings of target '{target.name}'")
 
 
 def save_shared_draft(draft: PreTrainedModel, head_ids: torch.Tensor, target: PreTrainedModel,

@@ -1,11 +1,12 @@
 """What opening a `generate` job decides, once, before any row runs: one frozen ``JobPlan``.
 
-``plan_job(cfg, work)`` checks the output paths, takes the output's lock (``work``), reads
-the input (bad input fails before any model loads), loads the tokenizers (a mismatched
-draft is refused before its weights load) and the models, then either resumes this job's
-interrupted run (its saved rows and steps, its length buckets, made again when damaged),
-refuses another job's work (a different fingerprint), or tokenizes every prompt into
-length buckets in the work directory. ``job.Generation`` runs the plan.
+``plan_job(cfg, work)`` reads as its four steps: check the output paths and take the
+output's lock (``work``); read the input (bad input fails before any model loads); load the
+tokenizers (a mismatched draft is refused before its weights load), the models and the
+engine (``assembly.assemble``); then either resume this job's interrupted run (its saved
+rows and steps, its length buckets, made again when damaged), refuse another job's work (a
+different fingerprint), or tokenize every prompt into length buckets in the work directory.
+``job.Generation`` runs the plan.
 """
 
 from __future__ import annotations
@@ -19,23 +20,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from buckets import BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets, read_all_rows, settings_hash
+from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
+                     read_all_rows, settings_hash)
 
 from . import drafters
 from . import models
 from . import openai_batch
 from . import sources
+from .assembly import LazyDraft, assemble
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
 from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
+from .engine import Engine
 from .errors import InputError
 from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, remove_stale_temps
 from .inputs import InputTable, row_overrides
 from .outputs import stats_path_for
 from .prompts import render_prompts
-
-PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
-
 
 @dataclass(frozen=True)
 class JobPlan:
@@ -50,11 +51,12 @@ class JobPlan:
     mode: str  # the mode run: --mode, or ar when nothing can draft
     target_name: str
     target: models.LoadedModel
-    draft: models.LoadedModel | None
+    draft: LazyDraft | None  # named now, its weights loaded when the engine first uses them
     draft_spec: str | None  # the draft model's spec a distributed worker loads; None without a draft
     lookup_names: tuple[str, ...]  # model-free drafters (drafters.NAMES)
     eos_ids: list[int]
-    kernels: str  # the kernels that run: stock | packed (use_kernels)
+    kernels: str  # the kernels that run: stock | packed (assembly.use_kernels)
+    engine: Engine  # built by assembly.assemble, the one place a job's engine is built
     notes: tuple[str, ...]  # for the user (a fallback, a kernel that cannot apply, a discarded part)
     bucket_dir: Path | None = None  # the length buckets the rows are read from (the work directory's, or the input)
     manifest: Manifest | None = None
@@ -85,8 +87,31 @@ def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
 
 
 def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
-    """Check the output, take the lock, read the input, load the models, then resume this job's saved
-    work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided once."""
+    """Check the output and take the lock, read the input, load the models and build the engine, then resume
+    this job's saved work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided
+    once."""
+    stats_path, saved_job = _check_output(cfg, work)
+    source = _read_input(cfg)  # before any model is loaded: bad input fails fast
+    plan = _load(cfg, stats_path, source)
+    # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
+    if saved_job is not None:
+        changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
+        if changes:
+            raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
+                             f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
+                             f"to discard its work")
+        return _resume(cfg, work, plan)
+    work.clear()  # leftovers of a run that died before it was resumable
+    if plan.bucket_dir is None:
+        plan = _make_buckets(cfg, work, plan)
+    work.save_part(list(plan.announce), [])  # saved before the job exists: resumable means complete
+    work.start_job(fingerprint(cfg, plan), plan.total_rows)
+    return plan
+
+
+def _check_output(cfg: GenerateConfig, work: WorkDir) -> tuple[Path, dict | None]:
+    """Check the output paths and take the output's lock; returns the statistics path and the job.json of an
+    interrupted run to resume (None: none, or --restart)."""
     check_output_path(cfg.output, overwrite=True)
     stats_path = cfg.stats or stats_path_for(cfg.output)
     check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
@@ -110,22 +135,39 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
         for path in (cfg.output, stats_path):
             if path.exists():
                 raise UsageError(f"{path} already exists; pass --overwrite to replace it")
+    return stats_path, saved_job
 
-    # Read the input before any model is loaded: bad input fails fast.
+
+@dataclass
+class _Source:
+    """The input as read before any model loads."""
+
+    output_format: str
+    input_hash: str
+    inp: InputTable | None = None  # None for a bucket directory (read once the target is loaded)
+    overrides: dict[str, list] = dataclasses.field(default_factory=dict)
+    bucket_dir: Path | None = None
+    manifest: Manifest | None = None
+
+
+def _read_input(cfg: GenerateConfig) -> _Source:
+    """A file, a Hugging Face dataset or an OpenAI batch, read whole; a bucket directory opened."""
     output_format = sources.output_format(cfg)
-    bucket_dir, manifest, inp, overrides = None, None, None, {}
     if cfg.input.is_dir() and not sources.is_dataset_dir(cfg.input):
         if not is_bucket_dir(cfg.input):
             raise UsageError(f"{cfg.input}: a directory, but not a bucket directory (no manifest.json)")
-        bucket_dir, manifest = cfg.input, open_buckets(cfg.input)
+        manifest = open_buckets(cfg.input)
         input_hash = hash_files([cfg.input / "manifest.json"] + [cfg.input / b.shard for b in manifest.buckets])
-    else:
-        inp, input_hash = sources.read(cfg)  # a file, a Hugging Face dataset or an OpenAI batch
-        if "__row" in inp.table.column_names or "__prompt_ids" in inp.table.column_names:
-            raise UsageError(f"{cfg.input}: column names __row and __prompt_ids are reserved")
-        overrides = {**row_overrides(inp.table, cfg), **inp.overrides}
+        return _Source(output_format, input_hash, bucket_dir=cfg.input, manifest=manifest)
+    inp, input_hash = sources.read(cfg)
+    if ROW_COLUMN in inp.table.column_names or PROMPT_IDS_COLUMN in inp.table.column_names:
+        raise UsageError(f"{cfg.input}: column names {ROW_COLUMN} and {PROMPT_IDS_COLUMN} are reserved")
+    return _Source(output_format, input_hash, inp, {**row_overrides(inp.table, cfg), **inp.overrides})
 
-    # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
+
+def _load(cfg: GenerateConfig, stats_path: Path, source: _Source) -> JobPlan:
+    """Choose the drafters, check the tokenizers (cheap: a mismatched draft is refused before any weights load),
+    then load the models and build the engine (``assembly.assemble``)."""
     notes = []
     draft_spec, lookup_names = _drafters(cfg)
     mode = cfg.mode
@@ -139,40 +181,19 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
         draft_tok, draft_name = models.load_tokenizer(draft_spec, quiet=True)
         models.check_vocab(target_tok, draft_tok, target_name, draft_name)
 
-    target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=cfg.quiet)
-    draft = None
-    if draft_spec is not None:
-        draft = models.load_draft(draft_spec, target, cfg.dtype, cfg.device, quiet=cfg.quiet)
-        if draft.model.device != target.model.device:
-            raise UsageError("draft and target ended up on different devices")
-    kernels_run, kernel_notes = use_kernels(cfg.kernels, target, draft)
-    notes += kernel_notes
-
-    if bucket_dir is not None:
-        inp, overrides = _read_bucket_dir(cfg, manifest, target_name, target)
+    loaded = assemble(cfg, mode, draft_spec, lookup_names, quiet=cfg.quiet)
+    notes += loaded.notes
+    inp, overrides = source.inp, source.overrides
+    if source.bucket_dir is not None:
+        inp, overrides = _read_bucket_dir(cfg, source.manifest, target_name, loaded.target)
     notes += openai_batch.model_notes(inp, target_name)
-    plan = JobPlan(
-        stats_path=stats_path, output_format=output_format, inp=inp, input_hash=input_hash,
-        overrides=overrides, mode=mode, target_name=target_name, target=target, draft=draft, draft_spec=draft_spec,
-        lookup_names=tuple(lookup_names), eos_ids=models.eos_ids(target.model, target.tokenizer), kernels=kernels_run,
-        notes=tuple(notes),
+    return JobPlan(
+        stats_path=stats_path, output_format=source.output_format, inp=inp, input_hash=source.input_hash,
+        overrides=overrides, mode=mode, target_name=target_name, target=loaded.target, draft=loaded.draft,
+        draft_spec=draft_spec, lookup_names=tuple(lookup_names), eos_ids=loaded.eos_ids, kernels=loaded.kernels,
+        engine=loaded.engine, notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
-        bucket_dir=bucket_dir, manifest=manifest)
-
-    # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
-    if saved_job is not None:
-        changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
-        if changes:
-            raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
-                             f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
-                             f"to discard its work")
-        return _resume(cfg, work, plan)
-    work.clear()  # leftovers of a run that died before it was resumable
-    if plan.bucket_dir is None:
-        plan = _make_buckets(cfg, work, plan)
-    work.save_part(list(plan.announce), [])  # saved before the job exists: resumable means complete
-    work.start_job(fingerprint(cfg, plan), plan.total_rows)
-    return plan
+        bucket_dir=source.bucket_dir, manifest=source.manifest)
 
 
 def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
@@ -210,11 +231,11 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
         raise UsageError(f"{cfg.input}: bucket directory was made with other settings ({detail}); "
                          f"rerun `batchspec bucket` with these settings")
     table = read_all_rows(cfg.input, manifest)
-    check_token_ids(table.column("__prompt_ids"), target.model.get_input_embeddings().num_embeddings, cfg.input)
+    check_token_ids(table.column(PROMPT_IDS_COLUMN), target.model.get_input_embeddings().num_embeddings, cfg.input)
     id_column = manifest.settings.get("id_column", "id")
     ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
-        else [str(v) for v in table.column("__row").to_pylist()]
-    table = table.drop_columns([c for c in ("__row", "__prompt_ids") if c in table.column_names])
+        else [str(v) for v in table.column(ROW_COLUMN).to_pylist()]
+    table = table.drop_columns([c for c in (ROW_COLUMN, PROMPT_IDS_COLUMN) if c in table.column_names])
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
     return InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
@@ -285,28 +306,3 @@ def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:
         bad = low if low < 0 else high
         raise InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
                          f"was the bucket directory made for another model?")
-
-
-def use_kernels(name: str, *loaded: models.LoadedModel | None) -> tuple[str, list[str]]:
-    """Apply ``--kernels`` to the loaded models. Returns the kernels that run (stock or packed) and notes for the
-    user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory)."""
-    if name == "stock":
-        return "stock", []
-    from . import kernels
-
-    present = [m.model for m in loaded if m is not None]
-    if not kernels.available():
-        return "stock", [] if name == "auto" else ["--kernels packed needs a PyTorch build with oneDNN: "
-                                                   "running the stock kernels"]
-    extra = sum(kernels.packable_bytes(m) for m in present)
-    if extra == 0:  # a GPU, or another dtype than float32
-        return "stock", [] if name == "auto" else ["--kernels packed applies to float32 models on a CPU: "
-                                                   "running the stock kernels"]
-    free = kernels.memory_available()
-    if name == "auto" and free is not None and PACKED_MEMORY_SHARE * free < extra:
-        return "stock", [f"the packed CPU kernels would take {extra / 2**20:.0f} MiB more memory, and "
-                         f"{free / 2**20:.0f} MiB is available: running the stock kernels (--kernels packed "
-                         f"forces them)"]
-    for model in present:
-        kernels.prepack(model)
-    return "packed", []

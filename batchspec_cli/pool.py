@@ -45,6 +45,9 @@ class SlotPool:
     def free_slots(self) -> list[int]:
         return [s for s in range(self.n_slots) if self.state.rows[s] is None]
 
+    def is_free(self, slot: int) -> bool:
+        return self.state.rows[slot] is None
+
     def pads(self, slots: list[int]) -> torch.Tensor:
         """[G] left padding of the group's rows, on the device."""
         return device_tensor([self.state.pad[s] for s in slots], self.device)

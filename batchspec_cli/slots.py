@@ -23,7 +23,7 @@ DEVICE_FIELDS = ("gen", "max_new", "keys", "temperature", "top_k", "top_p")
 class SlotState:
     # device, [slots]
     gen: torch.Tensor  # [slots] int64 completion tokens committed
-    max_new: torch.Tensor  # [slots] int64 completion limit
+    max_new: torch.Tensor  # [slots] int64 completion limit (the device's copy of ``limit``)
     keys: torch.Tensor  # [slots] int64 row key of the Gumbel noise
     temperature: torch.Tensor  # [slots] float64 (0: greedy)
     top_k: torch.Tensor  # [slots] int64 (0: off)
@@ -33,6 +33,7 @@ class SlotState:
     end: list = field(default_factory=list)  # padded length: the column after the last committed token
     pad: list = field(default_factory=list)  # left padding (the device gets a group's pads per forward)
     draft_end: list = field(default_factory=list)  # the draft cache covers columns [0, draft_end)
+    limit: list = field(default_factory=list)  # the most completion tokens the row may have (worked out at admission)
     last_run: list = field(default_factory=list)  # step at which the row last ran
     ids: list = field(default_factory=list)  # committed completion ids (a list per live slot)
     drafted: list = field(default_factory=list)
@@ -62,8 +63,8 @@ class SlotState:
                                              device=device)
         self.top_k[idx] = torch.tensor([r.sampling.top_k for r in requests], device=device)
         self.top_p[idx] = torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float64, device=device)
-        for s, req in zip(slots, requests):
-            self.rows[s], self.end[s], self.pad[s] = req, end, end - len(req.prompt_ids)
+        for s, req, limit in zip(slots, requests, limits):
+            self.rows[s], self.end[s], self.pad[s], self.limit[s] = req, end, end - len(req.prompt_ids), limit
             self.draft_end[s] = self.pad[s]
             self.ids[s] = []
             self.drafted[s] = self.accepted[s] = self.rounds[s] = 0

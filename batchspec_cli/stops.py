@@ -1,7 +1,9 @@
 """Stop strings: where a row's completion is cut when it produces one (the engine's commit asks).
 
 ``StopChecker`` is what the engine calls after every round; ``StopStrings`` is the one kind
-the job builds (the job's ``--stop`` strings plus each row's own).
+the job builds (the job's ``--stop`` strings plus each row's own), and the one place that
+says where a stop string cuts: in the tokens (``__call__``) and in the text the output
+holds (``text``).
 """
 
 from __future__ import annotations
@@ -56,3 +58,10 @@ class StopStrings:
             if self._hit(ids[start:cut], stops):
                 return cut
         return len(ids)
+
+    def text(self, ids: list[int], row_stops: tuple[str, ...] = ()) -> str:
+        """The text of a completion that ended on a stop string (its cut ``ids``), up to the first stop string,
+        which is excluded: what the output holds of such a row."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        found = [i for i in (text.find(s) for s in self.stops + tuple(row_stops)) if i >= 0]
+        return text[: min(found, default=len(text))]

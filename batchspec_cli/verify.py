@@ -7,7 +7,7 @@ processor over ``sampling``'s pure functions: the same noise any run of that row
 whatever its mode, draft, k or batch). For each mismatch we report the first differing
 position and, there, the reference's score for its own token minus its score for the
 token the run chose (the *margin*). A margin below the tolerance is a float near-tie
-(DESIGN §5); anything else is *unexplained*.
+(docs/design.md, "What is guaranteed"); anything else is *unexplained*.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ from batchspec_cli.attention import attention_inputs, use_folded_sdpa  # noqa: E
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.prompts import render_prompt  # noqa: E402
-from batchspec_cli.plan import use_kernels  # noqa: E402
+from batchspec_cli.assembly import use_kernels  # noqa: E402
 from batchspec_cli.stats import acceptance_length  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 

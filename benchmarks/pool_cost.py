@@ -37,7 +37,7 @@ from batchspec_cli.attention import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
 from batchspec_cli.prompts import render_prompt  # noqa: E402
-from batchspec_cli.plan import use_kernels  # noqa: E402
+from batchspec_cli.assembly import use_kernels  # noqa: E402
 
 TIMED = [(align.SlotCache, "_resize"), (align.SlotCache, "_allocate"), (pool, "realign"),
          (grouping.Pool, "select"), (grouping.StaticBatch, "select"), (grouping.Pool, "plan"),

@@ -24,6 +24,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from batchspec_cli.control import PLAIN, SPEC, Arms, Auto, Choice, FixedK, Goodput
+from batchspec_cli.events import StepStats
 from batchspec_cli.models import cache_kwarg
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -240,3 +242,66 @@ def tiny_prompts(tiny_tokenizer) -> list[list[int]]:
     """Prompts of varied lengths (token ids, no special tokens)."""
     texts = ["Hi", "The quick brown fox", "a", "Hello, world! How are you?", string.ascii_lowercase]
     return [tiny_tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+# --------------------------------------------------------------------------- injected policies and made-up steps
+
+
+class RandomK(FixedK):
+    """An injected schedule: a random k in 0..max every round, a random choice of eager or lazy draft prefill."""
+
+    def __init__(self, max_k: int, seed: int):
+        super().__init__(max_k)
+        self.rng = random.Random(seed)
+
+    def wants_draft(self) -> bool:
+        return self.rng.random() < 0.5
+
+    def choose(self, group, sources):
+        k = self.rng.randint(0, self.k)
+        if not k or not sources:
+            return Choice(0)
+        source = self.rng.choice(sorted({"model" if name == "model" else "lookup" for name in sources}))
+        return Choice(k, source, self.rank(group, sources)[0] if source == "lookup" else None)
+
+
+class ScheduledArms(Arms):
+    """An injected arm schedule: a random arm for a random 1-4 rounds at a time (each stretch a 'window'), and a
+    random incumbent (SPEC trials on the batch in flight, SPEC as the incumbent on the whole pool)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.rng, self.left = random.Random(seed), 0
+
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
+        self.left -= 1
+        if self.left > 0:
+            return None
+        self.arm, self.left = self.rng.choice([PLAIN, SPEC]), self.rng.randint(1, 4)
+        self.incumbent = self.rng.choice([PLAIN, SPEC])
+        return tokens / seconds
+
+
+class RandomSpec(Goodput):
+    """SPEC's per-round choice replaced by a random one (it is still seeded and observed like the real one)."""
+
+    def __init__(self, max_k: int, seed: int):
+        super().__init__(max_k)
+        self.random = RandomK(max_k, seed)
+
+    def choose(self, group, sources):
+        return self.random.choose(group, sources)
+
+
+def scheduled(k: int, seed: int) -> Auto:
+    policy = Auto(k)
+    policy.arms, policy.spec = ScheduledArms(seed), RandomSpec(k, seed)
+    return policy
+
+
+def make_step(**fields) -> StepStats:
+    """A step with every field zero or empty but those given (tests of what reads the statistics)."""
+    zero = {"bucket": 0, "step": 0, "group_kind": "same_length", "batch_size": 1, "k": 0, "accepted": [],
+            "tokens_emitted": 0, "pad_before": 0, "pad_after": 0, "kv_moved": 0, "kv_gathered": 0, "draft_ms": 0.0,
+            "verify_ms": 0.0, "realign_ms": 0.0, "gather_ms": 0.0, "total_ms": 0.0}
+    return StepStats(**{**zero, **fields})

@@ -31,7 +31,7 @@ def _brute_prompt_lookup(tokens: Sequence[int], k: int, min_n: int = 2, max_n: i
 def _brute_suffix_counts(
     documents: Sequence[Sequence[int]], context: Sequence[int], max_depth: int
 ) -> tuple[int, dict[int, int]]:
-    """Reference for ``SuffixIndex.next_counts``: scan every document at every position.
+    """Reference for ``next_counts`` (below): scan every document at every position.
 
     The longest suffix ``u`` of ``context`` with ``len(u) <= max_depth - 1`` that occurs in
     some document followed by a token, and the counts of those following tokens.
@@ -68,3 +68,29 @@ def _brute_suffix_draft(
         probs.append(prob)
         path.append(top)
     return tokens, probs
+
+
+# What the tests read of a ``SuffixIndex`` beyond its drafts (the library has no use for these).
+
+
+def index_of(documents: Sequence[Sequence[int]], **kwargs):
+    """A ``SuffixIndex`` built by adding ``documents`` in order."""
+    from batchspec_cli.lookup import SuffixIndex
+
+    index = SuffixIndex(**kwargs)
+    for doc in documents:
+        index.add(doc)
+    return index
+
+
+def next_counts(index, context: Sequence[int]) -> tuple[int, dict[int, int]]:
+    """(match length, {next token: count}) for the longest matched suffix of ``context``, read from the index."""
+    d, node = index._match(list(context[-(index.max_depth - 1) :]))
+    if node < 0:
+        return 0, {}
+    return d, {index._tok[c]: index._cnt[c] for c in index._children(node)}
+
+
+def memory_estimate(index) -> int:
+    """Bytes held, by the class's bound formula (nodes x NODE_BYTES + tokens x TOKEN_BYTES, and the documents)."""
+    return index.nodes * index.NODE_BYTES + index.tokens * index.TOKEN_BYTES + len(index._docs) * 100

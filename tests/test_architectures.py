@@ -14,8 +14,7 @@ import transformers as tf
 from batchspec_cli import drafters, models
 from batchspec_cli.engine import EngineConfig
 from batchspec_cli.events import Sampling
-from conftest import perturbed_copy, run_engine_rows
-from test_auto import scheduled
+from conftest import perturbed_copy, run_engine_rows, scheduled
 
 torch.set_num_threads(1)
 VOCAB, WINDOW, MAX_NEW = 64, 8, 10

@@ -15,7 +15,8 @@ from batchspec_cli.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, WINDOW_R
                                    Choice, FixedK, Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
 from batchspec_cli.engine import Engine, EngineConfig
 from batchspec_cli.events import Sampling
-from conftest import TINY_VOCAB_SIZE, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
+from conftest import (TINY_VOCAB_SIZE, RandomK, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy,
+                      run_engine_rows, scheduled)
 
 torch.set_num_threads(1)
 
@@ -324,24 +325,6 @@ def test_expected_tokens():
 MAX_NEW = 13
 
 
-class RandomK(FixedK):
-    """An injected schedule: a random k in 0..max every round, a random choice of eager or lazy draft prefill."""
-
-    def __init__(self, max_k: int, seed: int):
-        super().__init__(max_k)
-        self.rng = random.Random(seed)
-
-    def wants_draft(self) -> bool:
-        return self.rng.random() < 0.5
-
-    def choose(self, group, sources):
-        k = self.rng.randint(0, self.k)
-        if not k or not sources:
-            return Choice(0)
-        source = self.rng.choice(sorted({"model" if name == "model" else "lookup" for name in sources}))
-        return Choice(k, source, self.rank(group, sources)[0] if source == "lookup" else None)
-
-
 @pytest.fixture(scope="module")
 def target():
     return make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
@@ -391,40 +374,6 @@ def test_sampled_rows_identical_across_modes_drafts_and_schedules(target, draft,
         for row, ref in reference.items():
             assert results[row].token_ids == ref.token_ids, (mode, batch_size, row)
     assert any(len(r.token_ids) > 3 for r in reference.values())
-
-
-class ScheduledArms(Arms):
-    """An injected arm schedule: a random arm for a random 1-4 rounds at a time (each stretch a 'window'), and a
-    random incumbent (SPEC trials on the batch in flight, SPEC as the incumbent on the whole pool)."""
-
-    def __init__(self, seed: int):
-        super().__init__()
-        self.rng, self.left = random.Random(seed), 0
-
-    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
-        self.left -= 1
-        if self.left > 0:
-            return None
-        self.arm, self.left = self.rng.choice([PLAIN, SPEC]), self.rng.randint(1, 4)
-        self.incumbent = self.rng.choice([PLAIN, SPEC])
-        return tokens / seconds
-
-
-class RandomSpec(Goodput):
-    """SPEC's per-round choice replaced by a random one (it is still seeded and observed like the real one)."""
-
-    def __init__(self, max_k: int, seed: int):
-        super().__init__(max_k)
-        self.random = RandomK(max_k, seed)
-
-    def choose(self, group, sources):
-        return self.random.choose(group, sources)
-
-
-def scheduled(k: int, seed: int) -> Auto:
-    policy = Auto(k)
-    policy.arms, policy.spec = ScheduledArms(seed), RandomSpec(k, seed)
-    return policy
 
 
 @pytest.mark.parametrize("batch_size,k,names,with_model,seed", [(1, 3, [], True, 1), (4, 5, ["suffix"], True, 2),

@@ -13,13 +13,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench  # noqa: E402
-from batchspec_cli.events import StepStats  # noqa: E402
+from conftest import make_step  # noqa: E402
 
 
 def step(kind, rows, accepted, emitted, total_ms, k=5, **kw):
-    return StepStats(bucket=0, step=0, group_kind=kind, batch_size=rows, k=k, accepted=accepted,
-                     tokens_emitted=emitted, pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0,
-                     verify_ms=total_ms, realign_ms=0.0, gather_ms=0.0, total_ms=total_ms, **kw)
+    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
+                     verify_ms=total_ms, total_ms=total_ms, **kw)
 
 
 def test_palindrome_gives_every_mode_the_same_mean_position():

@@ -10,8 +10,8 @@ import torch
 
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, StepStats
-from test_auto import scheduled
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
+from conftest import (TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows,
+                      scheduled)
 
 torch.set_num_threads(1)
 MAX_NEW = 13  # not a multiple of k + 1 for most k: max_new_tokens lands inside a round

@@ -10,12 +10,12 @@ from batchspec_cli.checkpoint import WorkDir
 from batchspec_cli.config import GenerateConfig, UsageError
 from batchspec_cli.events import StepStats
 from batchspec_cli.job import Generation, StepNumbering, work_dir_for
+from conftest import make_step
 
 
 def steps(*numbers: int) -> list[StepStats]:
-    return [StepStats(bucket=0, step=n, group_kind="ar", batch_size=1, k=0, accepted=[0], tokens_emitted=1,
-                      pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0, verify_ms=1.0,
-                      realign_ms=0.0, gather_ms=0.0, total_ms=1.0) for n in numbers]
+    return [make_step(step=n, group_kind="ar", accepted=[0], tokens_emitted=1, verify_ms=1.0, total_ms=1.0)
+            for n in numbers]
 
 
 def test_a_resumed_run_continues_after_the_saved_steps():

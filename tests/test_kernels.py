@@ -97,7 +97,7 @@ class _Loaded:
 def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch):
     """--kernels auto: packed for float32 on a CPU, stock (and a note) when the copies would not fit in half the
     free memory, stock without a note for other dtypes; --kernels packed forces them; stock leaves the model alone."""
-    from batchspec_cli.plan import use_kernels
+    from batchspec_cli.assembly import use_kernels
 
     weights = sum(m.weight.numel() * 4 for m in tiny().modules() if type(m) is torch.nn.Linear)
     assert kernels.packable_bytes(tiny()) == weights > 0

@@ -19,8 +19,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from batchspec_cli import drafters
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, Sampling
-from test_auto import scheduled
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, scheduled
 
 torch.set_num_threads(1)
 MAX_NEW = 13  # lands inside a round for most k

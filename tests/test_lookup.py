@@ -18,7 +18,8 @@ import pytest
 
 from batchspec_cli import drafters
 from batchspec_cli.lookup import PromptLookup, SuffixCorpus, SuffixIndex
-from lookup_oracles import _brute_prompt_lookup, _brute_suffix_counts, _brute_suffix_draft
+from lookup_oracles import (_brute_prompt_lookup, _brute_suffix_counts, _brute_suffix_draft, index_of, memory_estimate,
+                            next_counts)
 
 
 def _chunks(rng: random.Random, tokens: list[int]) -> list[list[int]]:
@@ -168,7 +169,7 @@ def test_suffix_counts_and_first_token_match_brute_force():
             else:
                 context = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
             want_d, want = _brute_suffix_counts(docs, context, depth)
-            assert index.next_counts(context) == (want_d, want), (docs, context, depth)
+            assert next_counts(index, context) == (want_d, want), (docs, context, depth)
             draft = index.draft(context, 4)
             assert draft.match == want_d
             if want:
@@ -195,7 +196,7 @@ def test_suffix_draft_follows_most_frequent_continuation():
     assert draft.probs == pytest.approx([0.75, 0.5])
     # Ties go to the smaller token id, whatever the order of the adds.
     for docs in ([[1, 2, 7], [1, 2, 3]], [[1, 2, 3], [1, 2, 7]]):
-        assert SuffixIndex.from_documents(docs, max_depth=4).propose([1, 2], 1) == [3]
+        assert index_of(docs, max_depth=4).propose([1, 2], 1) == [3]
 
 
 def test_confidence_threshold_shortens_ambiguous_drafts_and_allows_long_ones():
@@ -206,10 +207,10 @@ def test_confidence_threshold_shortens_ambiguous_drafts_and_allows_long_ones():
         noisy.add([rng.randrange(4) for _ in range(40)])
     lengths = [len(noisy.propose([rng.randrange(4) for _ in range(3)], 8)) for _ in range(50)]
     assert max(lengths) <= 2
-    assert len(SuffixIndex.from_documents(noisy.documents(), max_depth=6, min_prob=0.0).propose([0, 1, 2], 8)) == 8
+    assert len(index_of(noisy.documents(), max_depth=6, min_prob=0.0).propose([0, 1, 2], 8)) == 8
     # Repeated: the same passage many times gives long drafts at the same threshold.
     passage = [rng.randrange(100) for _ in range(60)]
-    repeated = SuffixIndex.from_documents([passage] * 5, max_depth=6, min_prob=0.2)
+    repeated = index_of([passage] * 5, max_depth=6, min_prob=0.2)
     assert repeated.propose(passage[:10], 8) == passage[10:18]
 
 
@@ -230,8 +231,8 @@ def test_repeated_document_gives_its_own_continuation_in_full():
 def test_suffix_index_is_deterministic():
     rng = random.Random(6)
     docs = [[rng.randrange(6) for _ in range(rng.randint(1, 40))] for _ in range(50)]
-    a = SuffixIndex.from_documents(docs, max_depth=5, max_nodes=300)
-    b = SuffixIndex.from_documents(docs, max_depth=5, max_nodes=300)
+    a = index_of(docs, max_depth=5, max_nodes=300)
+    b = index_of(docs, max_depth=5, max_nodes=300)
     for _ in range(100):
         context = [rng.randrange(6) for _ in range(rng.randint(0, 8))]
         assert a.draft(context, 6) == b.draft(context, 6)
@@ -254,7 +255,7 @@ def test_eviction_keeps_counts_exact_over_retained_documents():
             _check_trie(index)
             for _ in range(10):
                 context = [rng.randrange(8) for _ in range(rng.randint(0, 7))]
-                assert index.next_counts(context) == _brute_suffix_counts(kept, context, depth)
+                assert next_counts(index, context) == _brute_suffix_counts(kept, context, depth)
     assert index.evicted > 200
 
 
@@ -277,7 +278,7 @@ def test_memory_stays_bounded_on_a_long_job_and_recent_documents_are_found():
             recent.append(doc)
     elapsed = time.perf_counter() - start
     assert index.evicted > 15_000
-    assert index.memory_estimate() <= index.memory_bound()
+    assert memory_estimate(index) <= index.memory_bound()
     _check_trie(index)
     hits = 0
     for doc in recent:
@@ -303,14 +304,14 @@ def test_memory_estimate_bounds_the_measured_memory():
     finally:
         tracemalloc.stop()
     assert index.nodes > 100_000
-    assert measured <= index.memory_estimate()
+    assert measured <= memory_estimate(index)
 
 
 def test_extend_in_chunks_equals_one_add():
     rng = random.Random(10)
     for _ in range(30):
         docs = [[rng.randrange(5) for _ in range(rng.randint(0, 50))] for _ in range(4)]
-        whole = SuffixIndex.from_documents(docs, max_depth=6)
+        whole = index_of(docs, max_depth=6)
         chunked = SuffixIndex(max_depth=6)
         for doc in docs:
             chunked.add([])

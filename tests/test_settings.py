@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -143,3 +144,34 @@ def test_a_recent_setting_enters_the_fingerprint_only_away_from_its_default():
     job.cfg.stop_column, job.cfg.split = "s", "test"
     record = fingerprint(job.cfg, job)
     assert record["stop_column"] == "s" and record["split"] == "test" and "top_p_column" not in record
+
+
+def test_every_option_reaches_its_config_field(monkeypatch, tmp_path):
+    """Each `generate` option, set away from its default, arrives in its own GenerateConfig field (the command
+    names every field explicitly: a forgotten or crossed option would keep a default or land elsewhere)."""
+    seen = {}
+
+    def refuse(cfg):
+        seen["cfg"] = cfg
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Generation, "open", staticmethod(refuse))
+    monkeypatch.setattr("batchspec_cli.distributed.ray_available", lambda: True)
+    params = generate_command_params()
+    args, expected = ["generate", "in.jsonl", "out.parquet"], {}
+    hints = typing.get_type_hints(GenerateConfig)
+    for n, s in enumerate(s for s in settings() if params[s.name].param_type_name == "option"):
+        param = params[s.name]
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            default = dataclasses.asdict(GenerateConfig(input=Path(), output=Path()))[s.field]
+            args.append(flag if not default else param.secondary_opts[0])
+            expected[s.field] = not default
+            continue
+        kind = str(hints[s.field])
+        value = 10 + n if "int" in kind else 0.25 + n if "float" in kind else f"v{n}"
+        args += [flag, str(value)]
+        expected[s.field] = Path(value) if "Path" in kind else (value,) if s.name == "stop" else value
+    result = CliRunner().invoke(app, args)
+    assert "cfg" in seen, result.output
+    assert {field: getattr(seen["cfg"], field) for field in expected} == expected

@@ -88,3 +88,12 @@ def test_engine_with_a_shared_draft_equals_greedy(target, tokenizer, tmp_path, m
                                             for i, p in enumerate(prompts)) if isinstance(e, RowResult)}
     assert [results[i].token_ids for i in range(len(prompts))] == refs
     assert sum(r.accepted_tokens for r in results.values()) > 0
+
+
+def test_refused_when_the_job_opens_without_reading_its_weights(target, tokenizer, tmp_path):
+    """``check_draft`` (what opening a job runs; the weights load at first use) refuses what ``load_draft`` would."""
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", torch.arange(40))
+    assert models.check_draft(str(path), loaded(target, tokenizer))[1] == path.resolve()
+    (path / "model.safetensors").unlink()  # not read to vet the draft
+    with pytest.raises(models.ModelError, match="borrows the embeddings"):
+        models.check_draft(str(path), loaded(make_tiny_llama(len(tokenizer), seed=5), tokenizer))

@@ -11,12 +11,12 @@ from batchspec_cli.outputs import write_stats
 from batchspec_cli.cli import app
 from batchspec_cli.events import StepStats
 from batchspec_cli.stats import acceptance_length, summarize, summarize_rows
+from conftest import make_step
 
 
 def step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, total_ms: float = 100.0, **kw) -> StepStats:
-    return StepStats(bucket=0, step=0, group_kind=kind, batch_size=rows, k=k, accepted=accepted,
-                     tokens_emitted=emitted, pad_before=0, pad_after=0, kv_moved=0, kv_gathered=0, draft_ms=0.0,
-                     verify_ms=total_ms, realign_ms=0.0, gather_ms=0.0, total_ms=total_ms, **kw)
+    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
+                     verify_ms=total_ms, total_ms=total_ms, **kw)
 
 
 STEPS = [step("prefill", 4, 0, [], 0),

@@ -138,3 +138,15 @@ def test_work_per_call_is_bounded_so_a_row_costs_linear_time():
     window = 5 + len("never reached") + StopStrings.MARGIN_TOKENS
     assert short_max == long_max == window
     assert long_total < 4.5 * short_total  # linear: 4x; decoding the whole completion every round: 16x
+
+
+def test_the_text_of_a_stopped_row_ends_before_its_first_stop_string():
+    """What the output holds of a row cut by ``__call__``: its text up to the earliest of the job's and the row's
+    stop strings (each of them decoded independently here)."""
+    tokenizer = make_tokenizer()
+    stops = StopStrings(tokenizer, ("cd",))
+    ids = tokenizer.encode("ab cd ef gh", add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert stops.text(ids) == text[: text.index("cd")]
+    assert stops.text(ids, ("b",)) == text[: text.index("b")]  # the row's own, earlier
+    assert StopStrings(tokenizer, ()).text(ids, ("zz",)) == text  # none found: the whole text

@@ -1,0 +1,122 @@
+"""The composition root: where a job's models load and its engine is built, for a single process and a Ray worker.
+
+``assemble(cfg, mode, draft_spec, lookup_names)`` loads the target, applies ``--kernels``,
+reads the EOS ids and builds the ``Engine``; ``plan.plan_job`` and ``distributed.Worker``
+both call it and nothing else builds an engine for a job. The draft model is named and
+vetted here (``models.check_draft``: a draft that does not fit the target is refused before
+the job starts) but its weights load, and are packed, only when the engine first uses them
+(``LazyDraft``): ``auto`` calibrates the draft at its first speculative trial, and on a job
+where no trial is affordable it never loads it; ``eqspec``/``exspec`` load it at their first
+admission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import drafters
+from . import models
+from .config import GenerateConfig
+from .engine import Engine, EngineConfig, ModelHandle
+from .stops import StopStrings
+
+PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
+
+
+class LazyDraft:
+    """The draft model of a job: named and vetted when the job opens, loaded on its first use (``handle``).
+
+    Loaded in the target's dtype and on its device, and packed when the target's kernels are
+    (``packed``, set by ``assemble``). Loading is quiet: it happens while the job runs."""
+
+    def __init__(self, spec: str, target: models.LoadedModel, dtype: str, device: str, quiet: bool):
+        self.spec, self.target, self.dtype, self.device = spec, target, dtype, device
+        self.name, folder = models.check_draft(spec, target, quiet)
+        self.source = str(folder)
+        self.packed = False
+        self.loaded: models.LoadedModel | None = None
+
+    def weight_bytes(self) -> int:
+        """The bytes of the draft's weight files: what packing it would add, at most (its linears' weights)."""
+        return sum(p.stat().st_size for p in Path(self.source).iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin"))
+
+    def handle(self) -> ModelHandle:
+        """The draft model, loaded (and packed) the first time it is asked for."""
+        if self.loaded is None:
+            draft = models.load_draft(self.spec, self.target, self.dtype, self.device, quiet=True)
+            if draft.model.device != self.target.model.device:
+                raise models.ModelError("draft and target ended up on different devices")
+            if self.packed:
+                from . import kernels
+
+                kernels.prepack(draft.model)
+            self.loaded = draft
+        return ModelHandle(self.loaded.model, models.cache_kwarg(self.loaded.model))
+
+
+@dataclass
+class Assembly:
+    """What ``assemble`` made: the engine and what the job's files record of it."""
+
+    engine: Engine
+    target: models.LoadedModel
+    draft: LazyDraft | None  # None: no draft model (ar, or model-free drafters only)
+    eos_ids: list[int]
+    kernels: str  # the kernels that run: stock | packed (use_kernels)
+    notes: list[str]  # for the user: a kernel that cannot apply, or that memory leaves out
+
+
+def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_names: list[str],
+             quiet: bool) -> Assembly:
+    """Load the target, vet the draft (loaded on first use), apply ``--kernels``, read the EOS ids, build the
+    engine of ``mode`` with these drafters."""
+    target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=quiet)
+    draft = LazyDraft(draft_spec, target, cfg.dtype, cfg.device, quiet) if draft_spec is not None else None
+    kernels_run, notes = use_kernels(cfg.kernels, target, pending_bytes=draft.weight_bytes() if draft else 0)
+    if draft is not None:
+        draft.packed = kernels_run == "packed"
+    eos_ids = models.eos_ids(target.model, target.tokenizer)
+    engine = build_engine(cfg, mode, target, draft, eos_ids, lookup_names)
+    return Assembly(engine, target, draft, eos_ids, kernels_run, notes)
+
+
+def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, draft: LazyDraft | None,
+                 eos_ids: list[int], lookup_names: list[str]) -> Engine:
+    """The engine of one job for a loaded target and a draft loaded on first use."""
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
+                         pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
+    target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
+    checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
+    return Engine(target_handle, draft.handle if draft else None, eos_ids, econf, stop_checker=checker,
+                  lookups=drafters.make(lookup_names))
+
+
+def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0) -> tuple[str, list[str]]:
+    """Apply ``--kernels`` to the loaded models. Returns the kernels that run (stock or packed) and notes for the
+    user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory). ``pending_bytes``:
+    what packing a model loaded later (the draft) would add; ``auto`` counts it now."""
+    if name == "stock":
+        return "stock", []
+    from . import kernels
+
+    present = [m.model for m in loaded if m is not None]
+    if not kernels.available():
+        return "stock", [] if name == "auto" else ["--kernels packed needs a PyTorch build with oneDNN: "
+                                                   "running the stock kernels"]
+    extra = sum(kernels.packable_bytes(m) for m in present)
+    if extra == 0:  # a GPU, or another dtype than float32
+        return "stock", [] if name == "auto" else ["--kernels packed applies to float32 models on a CPU: "
+                                                   "running the stock kernels"]
+    extra += pending_bytes
+    free = kernels.memory_available()
+    if name == "auto" and free is not None and PACKED_MEMORY_SHARE * free < extra:
+        return "stock", [f"the packed CPU kernels would take {extra / 2**20:.0f} MiB more memory, and "
+                         f"{free / 2**20:.0f} MiB is available: running the stock kernels (--kernels packed "
+                         f"forces them)"]
+    for model in present:
+        kernels.prepack(model)
+    return "packed", []
