@@ -8,12 +8,14 @@ A job keeps its state in a *work directory* beside ``OUT`` (``.OUT.batchspec-wor
     buckets/                           the length buckets of a file input, reused on resume
     parts/part-000001.rows.parquet     rows finished since the previous part (RowResult fields)
     parts/part-000001.stats.parquet    step statistics produced since the previous part
+    merge/                             the finish's rows regrouped by input range (``merge``), made again
+                                       by a rerun
 
 Every file is written under a temporary name, fsynced, renamed into place and its directory
 fsynced, so a part exists whole or not at all, whatever stops the process (SIGKILL, power
-loss, an OOM kill). A resumed job reads the parts back, skips their rows and writes new
-parts after them; ``OUT`` is assembled from all parts at the end, then the work directory
-is removed. Parts are independent: a part that cannot be read is dropped and its rows are
+loss, an OOM kill). A resumed job reads the parts' row numbers back (nothing else), skips
+those rows and writes new parts after them; ``OUT`` is assembled from all parts at the end,
+streamed a bounded number of rows at a time (``merge``), then the work directory is removed. Parts are independent: a part that cannot be read is dropped and its rows are
 simply generated again.
 
 Nothing here follows a symbolic link or deletes what it did not make: the work directory
@@ -41,14 +43,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from .errors import one_line
 from .events import RowResult, StepStats
 from .files import create_temp, fsync_directory, naming, pid_alive
-from .outputs import read_table, results_from_table, results_table, stats_from_table, stats_table, write_table_atomic
+from .outputs import part_schema, results_table, stats_table, write_table_atomic
 
 JOB_FORMAT = "batchspec-job"
 JOB_VERSION = 1
-LOCK_NAME, JOB_NAME, PARTS_NAME, BUCKETS_NAME = "lock", "job.json", "parts", "buckets"
+LOCK_NAME, JOB_NAME, PARTS_NAME, BUCKETS_NAME, MERGE_NAME = "lock", "job.json", "parts", "buckets", "merge"
 _UNREADABLE_LOCK_GRACE_S = 10.0  # an empty/garbled lock younger than this may be mid-write
 
 
@@ -66,10 +73,11 @@ class LockHeld(CheckpointError):
 
 @dataclass
 class Saved:
-    """What the parts of an interrupted job hold."""
+    """What resuming needs of an interrupted job's parts: which rows are done, not their completions."""
 
-    results: list[RowResult]  # every saved row, in part order
-    stats: list[StepStats]  # every saved step, in part order
+    rows: np.ndarray  # [saved rows] int64 row numbers, in part order
+    ids: pa.ChunkedArray  # [saved rows] their ids (string), aligned with rows
+    last_step: int  # the highest step number saved (0: none)
     dropped: list[str]  # names of parts that could not be read (their rows will be redone)
 
 
@@ -80,6 +88,7 @@ class WorkDir:
         self.job_path = self.path / JOB_NAME
         self.parts = self.path / PARTS_NAME
         self.buckets = self.path / BUCKETS_NAME
+        self.merge = self.path / MERGE_NAME
         self.locked = False
         self._next_part = 1
 
@@ -219,7 +228,7 @@ class WorkDir:
         fsync_directory(self.path.parent)
 
     def _remove_own_entries(self) -> None:
-        """Delete job.json, parts/, buckets/ and the temporary files this tool leaves in the work directory."""
+        """Delete job.json, parts/, buckets/, merge/ and the temporary files this tool leaves in the work directory."""
         check_own_directory(self.path)
         own = sorted((e for e in os.scandir(self.path) if _is_own_entry(e.name)), key=lambda e: e.name != JOB_NAME)
         for entry in own:  # refuse before deleting anything
@@ -235,9 +244,11 @@ class WorkDir:
 
     # ------------------------------------------------------------------ parts
     def load(self) -> Saved:
-        """Every readable part, in order; sets the number of the next part."""
-        results: list[RowResult] = []
-        stats: list[StepStats] = []
+        """The row numbers and ids of every readable rows part and the last saved step (the parts' other
+        columns are not read); sets the number of the next part."""
+        rows: list[np.ndarray] = []
+        ids: list[pa.ChunkedArray] = []
+        last_step = 0
         dropped: list[str] = []
         numbers = []
         check_own_directory(self.path)
@@ -256,16 +267,42 @@ class WorkDir:
                     continue
                 numbers.append(number)
                 try:
-                    table = read_table(path)
                     if kind == "rows":
-                        results.extend(results_from_table(table))
+                        table = _read_columns(path, part_schema("rows"), ["row", "id"])
+                        rows.append(table.column("row").to_numpy())
+                        ids.extend(table.column("id").chunks)
                     else:
-                        stats.extend(stats_from_table(table))
+                        steps = _read_columns(path, part_schema("stats"), ["step"]).column("step")
+                        last_step = max(last_step, pc.max(steps).as_py() or 0)
                 except Exception:  # noqa: BLE001 - a damaged part of any kind is dropped and redone
                     dropped.append(path.name)
                     path.unlink(missing_ok=True)
         self._next_part = max(numbers, default=0) + 1
-        return Saved(results=results, stats=stats, dropped=dropped)
+        return Saved(rows=np.concatenate(rows) if rows else np.zeros(0, np.int64),
+                     ids=pa.chunked_array(ids, type=pa.string()), last_step=last_step, dropped=dropped)
+
+    def fresh_merge(self) -> Path:
+        """An empty merge/ for the finish (what a finish killed midway left there is removed first)."""
+        check_own_directory(self.path)
+        if os.path.lexists(self.merge):
+            check_own_directory(self.merge)
+            _refuse_links_in(self.merge)
+            shutil.rmtree(self.merge)
+        self.merge.mkdir()
+        return self.merge
+
+    def part_paths(self, kind: str) -> list[Path]:
+        """The parts of one kind ("rows" or "stats"), in part order."""
+        if not os.path.lexists(self.parts):
+            return []
+        check_own_directory(self.parts)
+        found = []
+        for path in self.parts.iterdir():
+            number, found_kind = _part_name(path.name)
+            if number is not None and found_kind == kind:
+                check_own_file(path, "a checkpoint part")
+                found.append((number, path))
+        return [path for _, path in sorted(found)]
 
     def save_part(self, results: list[RowResult], stats: list[StepStats]) -> None:
         """Durably record finished rows and statistics as the next part."""
@@ -283,7 +320,7 @@ class WorkDir:
             write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", results_table(results))
 
 
-_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
+_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|{MERGE_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
                         rf"|\.{LOCK_NAME}\.stale-.+|\.{BUCKETS_NAME}\.(tmp|old)-.+)")
 
 
@@ -335,6 +372,16 @@ def _read_no_follow(path: Path) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as f:
         return f.read()
+
+
+def _read_columns(path: Path, schema: pa.Schema, columns: list[str]) -> pa.Table:
+    """Some columns of a part (its footer checked against the part format: a damaged part raises)."""
+    with open(path, "rb") as f:
+        found = pq.ParquetFile(f)
+        for name in columns:
+            if found.schema_arrow.field(name).type != schema.field(name).type:
+                raise ValueError(f"{path.name}: column {name} is not {schema.field(name).type}")
+        return found.read(columns=columns)
 
 
 def _part_name(name: str) -> tuple[int | None, str]:

@@ -449,7 +449,8 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
                   f"{where} of {summary['output']}; first: row {row + 1} (id {row_id}): {message}", highlight=False)
     log.write("finish", rows=summary["rows"], errors=summary["errors"], resumed_rows=summary["resumed_rows"],
               generated_rows=summary["generated_rows"], completion_tokens=summary["completion_tokens"],
-              elapsed_s=round(elapsed, 3), output=summary["output"], stats=summary["stats"], exit_code=code)
+              elapsed_s=round(elapsed, 3), finish_s=round(summary["finish_s"], 3), output=summary["output"],
+              stats=summary["stats"], exit_code=code)
     return code
 
 

@@ -235,12 +235,16 @@ class RayExecutor:
         # The blocks start once every worker has loaded its models: a worker that cannot load fails the
         # job before any row runs, and the first worker up does not take every block of a short job.
         context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
-        items = [{"block": i, "requests": pickle.dumps(b)} for i, b in enumerate(blocks)]
-        ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        buckets = [block[0].bucket for block in blocks]  # what the driver keeps of a block once Ray holds it
+        items = [{"block": i, "requests": pickle.dumps(block)} for i, block in enumerate(blocks)]
+        del blocks
+        ds = ray.data.from_items(items, override_num_blocks=len(items))
+        del items  # in Ray's object store now: the driver holds no request while the job runs
+        ds = ds.map_batches(
             Worker, fn_constructor_kwargs={"spec": self.worker_spec()}, batch_size=1,
             # one block at a time per worker: a block is a whole engine run, and one queued behind a busy
             # worker would wait while another worker idles
-            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(blocks)), max_tasks_in_flight_per_actor=1),
+            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(buckets)), max_tasks_in_flight_per_actor=1),
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
         steps = StepNumbering()  # one step sequence for the job, in arrival order
@@ -251,7 +255,7 @@ class RayExecutor:
             seen.add(block)
             events = pickle.loads(out["events"])
             rows = [e for e in events if isinstance(e, RowResult)]
-            yield BlockDone(block=block, bucket=blocks[block][0].bucket, rows=len(rows),
+            yield BlockDone(block=block, bucket=buckets[block], rows=len(rows),
                             errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
                             seconds=float(out["seconds"]))
             steps.next_run()

@@ -17,6 +17,7 @@ import re
 import secrets
 import stat
 from pathlib import Path
+from typing import Iterable
 
 from .errors import InputError, one_line
 
@@ -235,4 +236,14 @@ def fsync_directory(directory: Path) -> None:
 
 def write_text_atomic(out: Path, text: str) -> None:
     """Write a UTF-8 text file atomically, as the Parquet files are."""
-    replace_atomic(Path(out), lambda f: f.write(text.encode("utf-8")))
+    write_text_stream_atomic(out, [text])
+
+
+def write_text_stream_atomic(out: Path, texts: Iterable[str]) -> None:
+    """Write a UTF-8 text file atomically from pieces, as ``texts`` yields them."""
+
+    def write(f) -> None:
+        for text in texts:
+            f.write(text.encode("utf-8"))
+
+    replace_atomic(Path(out), write)

@@ -27,12 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 
 from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
 from . import __version__
 from . import logprobs as lp
+from . import lookup
+from . import merge
 from . import models
 from . import openai_batch
 from . import outputs
@@ -42,6 +46,7 @@ from .config import GenerateConfig, UsageError, os_error_message, settings_recor
 from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
+from .files import write_text_stream_atomic
 from .inputs import row_value
 from .plan import JobPlan, plan_job
 from .stops import StopStrings
@@ -151,20 +156,23 @@ class _Unsaved:
 
 
 class Generation:
-    """A job being run: its ``plan`` (fixed at ``open``) and what the run adds to it — the finished rows
-    and steps (``_record``), the checkpoint parts not yet written (``_Unsaved``), the buckets done
-    (``BucketProgress``). A row reaches disk in a checkpoint part, then in ``finish``'s files."""
+    """A job being run: its ``plan`` (fixed at ``open``) and what the run adds to it — which rows are done
+    (``done``: a row's number, never its completion), the checkpoint parts not yet written (``_Unsaved``),
+    the buckets done (``BucketProgress``). A row reaches disk in a checkpoint part and leaves memory; the
+    finish streams the parts into the output files."""
 
     def __init__(self, cfg: GenerateConfig, work: WorkDir, plan: JobPlan, threads_before: int | None = None):
         self.cfg, self.work, self.plan = cfg, work, plan
-        self.results: dict[int, RowResult] = {r.row: r for r in plan.resumed + plan.announce}
-        self.stats: list[StepStats] = list(plan.resumed_stats)
+        self.done = np.zeros(plan.total_rows, dtype=bool)  # [rows] saved, or finished by this run
+        self.done[plan.resumed] = True
+        self.done[[r.row for r in plan.announce]] = True
+        self.done_rows = int(self.done.sum())
         self._preloaded = False  # whether this process's engine has learnt the saved rows (engine())
         self.interrupted = False
         self._stop_signal: int | None = None
         self._stop_requested = False
         self._unsaved = _Unsaved(work, cfg.checkpoint_rows, cfg.checkpoint_seconds)
-        self._steps = StepNumbering(last=max((s.step for s in self.stats), default=0))
+        self._steps = StepNumbering(last=plan.last_step)
         self._progress = BucketProgress()
         self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
         self._threads_before = threads_before  # the process's thread count before --threads (restored by close)
@@ -211,7 +219,7 @@ class Generation:
 
     @property
     def saved_rows(self) -> int:
-        return len(self.results) - len(self._unsaved.rows)
+        return self.done_rows - len(self._unsaved.rows)
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
@@ -219,7 +227,7 @@ class Generation:
         cfg, plan = self.cfg, self.plan
         temperature, seed, max_new, top_p, stops, logprobs = (
             plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
-        skip = set(self.results)
+        saved = self.done.copy()
         current = None
         for bucket, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
             if bucket.index != current:
@@ -231,7 +239,7 @@ class Generation:
             for row, prompt in zip(rows, ids):
                 if row >= plan.total_rows:  # a bucket directory's row beyond --limit
                     continue
-                if row in skip:  # saved by an interrupted run (its drafters' lessons: preloads)
+                if saved[row]:  # saved by an interrupted run (its drafters' lessons: preloads)
                     continue
                 self._progress.handed_out(row, bucket.index)
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
@@ -250,16 +258,43 @@ class Generation:
 
     def preloads(self) -> list[tuple[list[int], list[int] | None]]:
         """The rows an interrupted run saved, as the drafters learn them again: (prompt, completion or None for an
-        error row), in run order. Read from the buckets only when the job resumed."""
-        plan, saved = self.plan, []
-        done = {r.row: r for r in plan.resumed + plan.announce}
-        if not done:
-            return saved
+        error row), in bucket order; only the last ones whose documents fit the suffix index's token bound (the
+        index would evict the earlier ones: keeping them would make the job's memory grow with the job). Read
+        from the buckets and the parts only when the job resumed."""
+        plan = self.plan
+        if not plan.resumed_rows:
+            return []
+        bound, tail = lookup.SuffixIndex().max_tokens, lookup.SuffixIndex().max_depth - 1
+        completion = np.full(plan.total_rows, -1, np.int64)  # [rows] saved completion length (-1: none or error)
+        for path in self.work.part_paths("rows"):
+            table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
+            ok = pc.not_equal(table.column("finish_reason"), "error").to_numpy(zero_copy_only=False)
+            lengths = pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)
+            completion[table.column("row").to_numpy()] = np.where(ok, lengths, -1)
+        order, tokens = [], []  # saved rows in bucket order, and the tokens their documents hold
+        for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
+            rows = batch.column(ROW_COLUMN).to_numpy()
+            prompt = pc.list_value_length(batch.column(PROMPT_IDS_COLUMN)).to_numpy(zero_copy_only=False)
+            mine = rows < plan.total_rows
+            mine[mine] = self.done[rows[mine]]
+            rows, prompt = rows[mine], prompt[mine]
+            length = completion[rows]
+            order.append(rows)
+            tokens.append(prompt + np.where(length > 0, np.minimum(prompt, tail) + length, 0))
+        order, tokens = np.concatenate(order), np.concatenate(tokens)
+        after = np.cumsum(tokens[::-1])[::-1] - tokens  # [saved rows] tokens of the rows relearned after it
+        wanted = order[after <= bound]
+        relearn: dict[int, list[int] | None] = {}
+        for path in self.work.part_paths("rows"):
+            table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
+            table = table.filter(np.isin(table.column("row").to_numpy(), wanted))
+            for row, ids, reason in zip(*(table.column(c).to_pylist() for c in table.column_names)):
+                relearn[row] = ids if reason != "error" else None
+        saved = []
         for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
             for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
-                if row in done:
-                    result = done[row]
-                    saved.append((prompt, result.token_ids if result.finish_reason != "error" else None))
+                if row in relearn:
+                    saved.append((prompt, relearn[row]))
         return saved
 
     def engine(self) -> Engine:
@@ -286,7 +321,7 @@ class Generation:
         yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=list(plan.notes),
                       resumed_rows=plan.resumed_rows, work_dir=str(self.work.path))
         yield from plan.announce  # prompt errors: already recorded and saved
-        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - len(self.results)))
+        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done_rows))
         try:
             for event in stream:
                 if isinstance(event, StepStats):
@@ -303,19 +338,19 @@ class Generation:
         finally:
             stream.close()
             self._unsaved.save()  # a clean stop, a finished run or an exception: keep every finished row
-        if self._stop_requested and len(self.results) < plan.total_rows:
+        if self._stop_requested and self.done_rows < plan.total_rows:
             self.interrupted = True
             yield Interrupted(saved_rows=self.saved_rows, total_rows=plan.total_rows, signal=self._stop_signal)
 
     def _record(self, event: RowResult | StepStats) -> None:
         if isinstance(event, RowResult):
-            if event.row in self.results:
+            if self.done[event.row]:
                 raise RuntimeError(f"row {event.row} finished twice")
-            self.results[event.row] = event
+            self.done[event.row] = True
+            self.done_rows += 1
             self._unsaved.rows.append(event)
             self._progress.finished(event.row, error=event.finish_reason == "error")
         else:
-            self.stats.append(event)
             self._unsaved.stats.append(event)
 
     def _drain(self) -> Iterator[RowResult | BucketDone]:
@@ -328,38 +363,61 @@ class Generation:
 
     # ------------------------------------------------------------------ output
     def texts(self, results: list[RowResult]) -> list[str]:
-        """The rows' completions as text (a stop string and what follows it excluded: ``StopStrings.text``)."""
+        """The rows' completions as text, decoded in one batch (a stop string and what follows it excluded:
+        ``StopStrings.text``)."""
         tokenizer, overrides = self.plan.tokenizer, self.plan.overrides.get("stop")
         stops = StopStrings(tokenizer, self.cfg.stop)
+        plain = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         return [stops.text(r.token_ids, row_value(overrides, r.row, ())) if r.finish_reason == "stop_string"
-                else tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
+                else text for r, text in zip(results, plain)]
 
     def finish(self) -> dict:
-        """Write both files atomically, remove the work directory; returns a summary."""
+        """Write both files atomically, streamed from the checkpoint parts one range of rows at a time (see
+        ``merge``), then remove the work directory; returns a summary. A kill meanwhile leaves the parts: the
+        rerun writes the files again."""
         cfg, plan = self.cfg, self.plan
         self._unsaved.save()
-        results = [self.results[row] for row in sorted(self.results)]
-        missing = plan.total_rows - len(results)
+        missing = plan.total_rows - self.done_rows
         if missing:
             raise RuntimeError(f"{missing} rows have no result")
+        began = time.perf_counter()
         meta = metadata(cfg, plan)
         self.work.mark_finishing()
-        token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
+        merge.regroup(self.work.part_paths("rows"), self.work.fresh_merge(), plan.total_rows)
+        summary = {"rows": 0, "errors": 0, "completion_tokens": 0, "first_errors": []}
+        pieces = self._output_pieces(summary)
         if plan.output_format == "openai":
-            openai_batch.write_output(cfg.output, plan.inp, results, self.texts(results), plan.tokenizer,
-                                      model=plan.target_name, chat=cfg.chat, salt=plan.input_hash)
+            write_text_stream_atomic(cfg.output, pieces)
         else:
-            outputs.write_completions(cfg.output, plan.inp, results, self.texts(results), meta, token_text)
-        outputs.write_stats(plan.stats_path, self.stats, meta)
+            outputs.write_parquet_stream_atomic(cfg.output, pieces, meta)
+        schema = outputs.part_schema("stats")
+        steps = (outputs.read_table(path).select(schema.names).cast(schema) for path in self.work.part_paths("stats"))
+        outputs.write_parquet_stream_atomic(plan.stats_path, merge.batched(steps), meta, schema)
         self.work.remove()
-        errors = [r for r in results if r.finish_reason == "error"]
-        return {
-            "rows": len(results), "errors": len(errors), "resumed_rows": plan.resumed_rows,
-            "generated_rows": len(results) - plan.resumed_rows,
-            "completion_tokens": sum(len(r.token_ids) for r in results), "output": str(cfg.output),
-            "stats": str(plan.stats_path),
-            "first_errors": [(r.row, r.id, r.error) for r in errors[:3]],
-        }
+        return {**summary, "resumed_rows": plan.resumed_rows, "generated_rows": summary["rows"] - plan.resumed_rows,
+                "output": str(cfg.output), "stats": str(plan.stats_path), "finish_s": time.perf_counter() - began}
+
+    def _output_pieces(self, summary: dict) -> Iterator:
+        """OUT's rows, one range at a time in input order (a table, or the OpenAI file's text); counts them
+        into ``summary``."""
+        cfg, plan = self.cfg, self.plan
+        token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
+        created = int(time.time())
+        for first, table in merge.ranges(self.work.merge, plan.total_rows):
+            results = outputs.results_from_table(table)
+            texts = self.texts(results)
+            errors = [r for r in results if r.finish_reason == "error"]
+            summary["rows"] += len(results)
+            summary["errors"] += len(errors)
+            summary["completion_tokens"] += sum(len(r.token_ids) for r in results)
+            summary["first_errors"] += [(r.row, r.id, r.error) for r in errors[: 3 - len(summary["first_errors"])]]
+            if plan.output_format == "openai":
+                yield openai_batch.output_text(plan.inp, results, texts, plan.tokenizer, model=plan.target_name,
+                                               chat=cfg.chat, salt=plan.input_hash, created=created)
+            else:
+                rows = slice(first, first + len(results))
+                yield outputs.completions_table(plan.inp.table.slice(first, len(results)), plan.inp.ids[rows], results,
+                                            texts, token_text)
 
 
 def _release(work: WorkDir, threads_before: int | None) -> None:

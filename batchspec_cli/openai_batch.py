@@ -334,8 +334,15 @@ def output_lines(inp: InputTable, results: list[RowResult], texts: list[str], to
 def write_output(path: Path, inp: InputTable, results: list[RowResult], texts: list[str], tokenizer,
                  model: str, chat: bool, salt: str) -> None:
     """The OpenAI Batch output file, written atomically (temp file, fsync, rename) like the Parquet one."""
-    lines = output_lines(inp, results, texts, tokenizer, model, chat, salt)
-    write_text_atomic(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    write_text_atomic(path, output_text(inp, results, texts, tokenizer, model, chat, salt))
+
+
+def output_text(inp: InputTable, results: list[RowResult], texts: list[str], tokenizer, model: str,
+                chat: bool, salt: str, created: int | None = None) -> str:
+    """``output_lines`` as the file's text (one JSON object a line): a piece of the file, ``results`` a
+    range of its rows (the finish streams the file range by range, ``created`` fixed)."""
+    lines = output_lines(inp, results, texts, tokenizer, model, chat, salt, created)
+    return "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines)
 
 
 def _token(tokenizer, token_id: int) -> str:

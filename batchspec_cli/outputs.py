@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -74,13 +74,21 @@ def write_completions(
         raise RuntimeError(f"input columns clash with output columns: {clashes}")
 
     pairs: list[tuple[RowResult, str]] = by_row  # type: ignore[assignment]
-    rs = [r for r, _ in pairs]
-    ids = pa.array(inp.ids, type=pa.string())
+    table = completions_table(inp.table, inp.ids, [r for r, _ in pairs], [t for _, t in pairs], token_text)
+    _write_atomic(Path(out), table, metadata)
+
+
+def completions_table(table: pa.Table, ids, results: list[RowResult], texts: list[str],
+                      token_text: Callable[[int], str] | None = None) -> pa.Table:
+    """The output rows of ``table``'s rows (input columns, then the output columns; see write_completions):
+    ``ids``, ``results`` and ``texts`` aligned with its rows. A slice of the input gives that slice of OUT."""
+    ids = pa.array(ids, type=pa.string())
     columns: dict[str, pa.Array | pa.ChunkedArray] = {}
-    for name in inp.table.column_names:
-        columns[name] = ids if name == "id" else inp.table.column(name)
+    for name in table.column_names:
+        columns[name] = ids if name == "id" else table.column(name)
+    rs = results  # aligned with the table's rows
     columns["id"] = ids
-    columns["completion"] = pa.array([t for _, t in pairs], type=pa.string())
+    columns["completion"] = pa.array(texts, type=pa.string())
     columns["prompt_tokens"] = pa.array([r.prompt_tokens for r in rs], type=pa.int32())
     columns["completion_tokens"] = pa.array([len(r.token_ids) for r in rs], type=pa.int32())
     columns["finish_reason"] = pa.array([r.finish_reason for r in rs], type=pa.string())
@@ -93,8 +101,7 @@ def write_completions(
     )
     if token_text is not None:
         columns[LOGPROBS_COLUMN] = logprobs_array(rs, token_text)
-    table = pa.table(columns)
-    _write_atomic(Path(out), table, metadata)
+    return pa.table(columns)
 
 
 _TOP_LOGPROB = pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64())])
@@ -152,6 +159,11 @@ def _stats_schema() -> pa.Schema:
     return _dataclass_schema(StepStats)
 
 
+def part_schema(kind: str) -> pa.Schema:
+    """The schema of a checkpoint part: "rows" (RowResult fields) or "stats" (StepStats fields)."""
+    return _dataclass_schema({"rows": RowResult, "stats": StepStats}[kind])
+
+
 def stats_table(stats: list[StepStats]) -> pa.Table:
     return pa.Table.from_pylist([dataclasses.asdict(s) for s in stats], schema=_stats_schema())
 
@@ -197,6 +209,34 @@ def write_stats(path: Path, stats: list[StepStats], metadata: dict) -> None:
 def write_table_atomic(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
     """Write a Parquet file atomically (temp file, fsync, rename, fsync of the directory)."""
     _write_atomic(Path(path), table, metadata)
+
+
+def write_parquet_stream_atomic(out: Path, tables: Iterable[pa.Table], metadata: dict | None,
+                                empty_schema: pa.Schema | None = None) -> None:
+    """Write a Parquet file atomically, one row group per table as ``tables`` yields them (the first one's
+    schema; ``empty_schema`` when there is none): the file's rows are never all in memory."""
+
+    def write(f) -> None:
+        writer = None
+        try:
+            for table in tables:
+                if writer is None:
+                    schema = table.schema
+                    writer = pq.ParquetWriter(f, _with_metadata(schema, metadata))
+                writer.write_table(table.cast(schema))
+            if writer is None:
+                writer = pq.ParquetWriter(f, _with_metadata(empty_schema, metadata))
+        finally:
+            if writer is not None:
+                writer.close()
+
+    replace_atomic(Path(out), write)
+
+
+def _with_metadata(schema: pa.Schema, metadata: dict | None) -> pa.Schema:
+    if metadata is None:
+        return schema
+    return schema.with_metadata({METADATA_KEY: json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")})
 
 
 def _write_atomic(out: Path, table: pa.Table, metadata: dict | None) -> None:

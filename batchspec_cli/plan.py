@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
@@ -31,7 +33,7 @@ from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, 
 from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
 from .engine import Engine
 from .errors import InputError
-from .events import RowResult, StepStats
+from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
 from .inputs import TEXT_COLUMNS, InputTable, row_overrides, setting_columns
 from .outputs import stats_path_for
@@ -59,8 +61,9 @@ class JobPlan:
     notes: tuple[str, ...]  # for the user (a fallback, a kernel that cannot apply, a discarded part)
     bucket_dir: Path | None = None  # the length buckets the rows are read from (the work directory's, or the input)
     manifest: Manifest | None = None
-    resumed: tuple[RowResult, ...] = ()  # rows an interrupted run of this job saved
-    resumed_stats: tuple[StepStats, ...] = ()
+    # [saved rows] the rows an interrupted run of this job saved, by number (their completions stay in its parts)
+    resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    last_step: int = 0  # the highest step number the interrupted run saved
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
 
     @property
@@ -274,13 +277,13 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
     saved = work.load()
     notes = [f"discarded the unreadable checkpoint part {name}: its rows will be generated again"
              for name in saved.dropped]
-    resumed: dict[int, RowResult] = {}
-    for result in saved.results:
-        if not 0 <= result.row < plan.total_rows or result.id != plan.inp.ids[result.row]:
-            raise CheckpointError(f"{work.path}: a saved row does not belong to this input; "
-                                  f"pass --restart to discard the interrupted run's work")
-        resumed[result.row] = result  # a row saved twice (never expected) is kept once
-    plan = dataclasses.replace(plan, resumed=tuple(resumed.values()), resumed_stats=tuple(saved.stats))
+    rows = saved.rows
+    if len(rows) and (rows.min() < 0 or rows.max() >= plan.total_rows
+                      or not pc.all(pc.equal(saved.ids, pa.array(plan.inp.ids).take(pa.array(rows)))).as_py()):
+        raise CheckpointError(f"{work.path}: a saved row does not belong to this input; "
+                              f"pass --restart to discard the interrupted run's work")
+    resumed = np.unique(rows)  # a row saved twice (never expected) is kept once
+    plan = dataclasses.replace(plan, resumed=resumed, last_step=saved.last_step)
     if plan.bucket_dir is None:
         settings = tokenizer_settings(cfg, plan.target_name)
         try:
@@ -295,7 +298,8 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
             notes.append("the saved length buckets were damaged: tokenizing again")
             shutil.rmtree(work.buckets, ignore_errors=True)
             plan = _make_buckets(cfg, work, plan)
-            plan = dataclasses.replace(plan, announce=tuple(r for r in plan.announce if r.row not in resumed))
+            saved_before = np.isin([r.row for r in plan.announce], resumed)
+            plan = dataclasses.replace(plan, announce=tuple(r for r, s in zip(plan.announce, saved_before) if not s))
             work.save_part(list(plan.announce), [])
     return dataclasses.replace(plan, notes=plan.notes + tuple(notes))
 

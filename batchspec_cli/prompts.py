@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from . import openai_batch
 from .errors import one_line
 from .inputs import InputTable, Prompt
@@ -107,15 +109,20 @@ def _as_int_list(ids: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+CHUNK_ROWS = 1024  # prompts rendered and tokenized per tokenizer call
+
+
 @dataclass(frozen=True)
 class RenderedPrompts:
-    ids: list[list[int]]  # [rows] the prompt's token ids; [] for a row in errors
+    ids: pa.ChunkedArray  # [rows] list<int32>: the prompt's token ids; [] for a row in errors
     errors: dict[int, str]  # row -> why it has no ids (one line)
 
 
 def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
                    most_tokens: int | None = None, what: str = "", special_tokens: bool = False) -> RenderedPrompts:
-    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added; see render_prompt).
+    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added; see render_prompt),
+    ``CHUNK_ROWS`` rows per tokenizer call; the ids are kept in Arrow form (four bytes a token), never as Python
+    lists for the job. A prompt holding a control token's string is rendered alone (``render_prompt``).
 
     A row fails, in this order, when the input refused it already (``inp.errors``: an OpenAI
     batch line), when its text has more bytes than ``most_tokens`` tokens could hold (refused
@@ -123,19 +130,69 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
     A /v1/completions prompt of an OpenAI batch is rendered raw: no template, no system prompt.
     """
     most_bytes = max_prompt_bytes(tokenizer, most_tokens) if most_tokens is not None else None
-    ids, errors = [], {}
-    for row, prompt in enumerate(inp.prompts):
-        ids.append([])
-        if row in inp.errors:
-            errors[row] = inp.errors[row]
-            continue
-        size = prompt_bytes(prompt) if most_bytes is not None else 0
-        if most_bytes is not None and size > most_bytes:
-            errors[row] = f"prompt has {size} bytes, more than {what} can hold (at most {most_bytes} bytes)"
-            continue
-        raw = openai_batch.is_text_completion(inp, row)
-        try:
-            ids[row] = render_prompt(tokenizer, prompt, chat and not raw, None if raw else system, special_tokens)
-        except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails, not the job
-            errors[row] = f"cannot render the prompt: {one_line(exc)}"
-    return RenderedPrompts(ids, errors)
+    controls = [] if special_tokens else _control_strings(tokenizer)  # strings that would become control tokens
+    chunks, errors = [], {}
+    for start in range(0, len(inp.prompts), CHUNK_ROWS):
+        ids: list[list[int]] = [[] for _ in range(min(CHUNK_ROWS, len(inp.prompts) - start))]
+        kinds: dict[bool, list[int]] = {False: [], True: []}  # raw (an OpenAI /v1/completions row) -> rows
+        for row in range(start, start + len(ids)):
+            if row in inp.errors:
+                errors[row] = inp.errors[row]
+                continue
+            size = prompt_bytes(inp.prompts[row]) if most_bytes is not None else 0
+            if most_bytes is not None and size > most_bytes:
+                errors[row] = f"prompt has {size} bytes, more than {what} can hold (at most {most_bytes} bytes)"
+                continue
+            raw = openai_batch.is_text_completion(inp, row)
+            if any(c in text for text in _texts(inp.prompts[row], system) for c in controls):
+                try:  # the template around the text, the text as text: one prompt at a time
+                    ids[row - start] = render_prompt(tokenizer, inp.prompts[row], chat and not raw,
+                                                     None if raw else system, special_tokens)
+                except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails
+                    errors[row] = f"cannot render the prompt: {one_line(exc)}"
+                continue
+            kinds[raw].append(row)
+        for raw, rows in kinds.items():
+            rendered = _render_rows(tokenizer, [inp.prompts[row] for row in rows], chat and not raw,
+                                    None if raw else system, errors, rows)
+            for row, row_ids in zip(rows, rendered):
+                ids[row - start] = row_ids
+        chunks.append(pa.array(ids, type=pa.list_(pa.int32())))
+    return RenderedPrompts(pa.chunked_array(chunks, type=pa.list_(pa.int32())), errors)
+
+
+def _texts(prompt: Prompt, system: str | None) -> list[str]:
+    """The text a prompt puts into the rendered sequence: its messages' contents and the system prompt."""
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    return texts if system is None else [*texts, system]
+
+
+def _render_rows(tokenizer, prompts: list[Prompt], chat: bool, system: str | None, errors: dict[int, str],
+                 rows: list[int]) -> list[list[int]]:
+    """``render_prompt`` of every prompt in one tokenizer call; one prompt at a time when a chat template
+    raises, so only the rows it raises for fail (``errors``). The prompts hold no control token's string,
+    so tokenizing them with or without special tokens gives the same ids."""
+    if not prompts:
+        return []
+    try:
+        if chat and getattr(tokenizer, "chat_template", None):
+            conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+                             for p in prompts]
+            if system is not None:
+                conversations = [c if any(m.get("role") == "system" for m in c)
+                                 else [{"role": "system", "content": system}, *c] for c in conversations]
+            return tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"]
+        texts = [p if isinstance(p, str) else "\n\n".join(m["content"] for m in p) for p in prompts]
+        if system is not None:
+            texts = [f"{system}\n\n{text}" for text in texts]
+        return tokenizer(texts, add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001 - a chat template may raise anything: find the rows it raises for
+        out = []
+        for row, prompt in zip(rows, prompts):
+            try:
+                out.append(render_prompt(tokenizer, prompt, chat, system, special_tokens=True))
+            except Exception as exc:  # noqa: BLE001 - that row fails, not the job
+                errors[row] = f"cannot render the prompt: {one_line(exc)}"
+                out.append([])
+        return out

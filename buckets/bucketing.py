@@ -70,7 +70,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 __all__ = [
@@ -369,7 +371,7 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
 def build_buckets(
     out_dir: Path,
     table: pa.Table,
-    prompt_ids: Sequence[Sequence[int]],
+    prompt_ids: Sequence[Sequence[int]] | pa.Array | pa.ChunkedArray,
     settings: dict,
     width: int | None = None,
     min_rows: int = 8,
@@ -397,20 +399,22 @@ def build_buckets(
     _check_target(out_dir, overwrite)
 
     # 1. Plan the ranges.
-    lengths = [len(ids) for ids in prompt_ids]
+    try:
+        ids_array = prompt_ids.cast(pa.list_(pa.int32())) if isinstance(prompt_ids, (pa.Array, pa.ChunkedArray)) \
+            else pa.array(prompt_ids, type=pa.list_(pa.int32()))
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
+        raise BucketError(f"prompt ids are not lists of int32 token ids: {exc}") from None
+    length_array = pc.list_value_length(ids_array).to_numpy(zero_copy_only=False)
+    lengths = length_array.tolist()
     ranges = plan_buckets(lengths, width=width, min_rows=min_rows)
     used_width = width if width is not None else auto_max_width(lengths)
 
     # 2. Sort rows by (length, input index); each bucket is then one contiguous slice.
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    try:
-        ids_array = pa.array(prompt_ids, type=pa.list_(pa.int32()))
-    except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-        raise BucketError(f"prompt ids are not lists of int32 token ids: {exc}") from None
-    full = table.append_column(ROW_COLUMN, pa.array(range(len(lengths)), type=pa.int64()))
+    order = np.argsort(length_array, kind="stable")
+    full = table.append_column(ROW_COLUMN, pa.array(np.arange(len(lengths)), type=pa.int64()))
     full = full.append_column(PROMPT_IDS_COLUMN, ids_array)
     full = full.take(pa.array(order, type=pa.int64()))
-    sorted_lengths = [lengths[i] for i in order]
+    sorted_lengths = length_array[order].tolist()
 
     # 3. Write shards and manifest into a temporary directory beside out_dir.
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -126,7 +126,7 @@ def test_a_changed_saved_dataset_is_refused_on_resume(tmp_path, target):
                          batch_size=2, checkpoint_rows=1, temperature_column="temperature", quiet=True)
     with Generation.open(cfg) as job:
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 3:
+            if isinstance(event, RowResult) and job.done_rows == 3:
                 job.stop(signal.SIGINT)
         assert job.interrupted
     changed = [dict(r, prompt=r["prompt"] + "!") if r["id"] == "q6" else r for r in ROWS]

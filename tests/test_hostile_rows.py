@@ -241,14 +241,14 @@ def test_control_token_strings_in_prompts_stay_text_unless_allowed(tmp_path, mod
 def test_sighup_stops_like_sigterm(tmp_path, model, monkeypatch):
     inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
     out, log = tmp_path / "out.parquet", tmp_path / "log.jsonl"
-    real = outputs.write_completions
+    real = outputs.write_parquet_stream_atomic  # the finish writes OUT
 
     def write_under_signals(*args, **kwargs):
         for _ in range(2):  # the second one stops at once, as a second SIGTERM does
             os.kill(os.getpid(), signal.SIGHUP)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(outputs, "write_completions", write_under_signals)
+    monkeypatch.setattr(outputs, "write_parquet_stream_atomic", write_under_signals)
     result = generate(inp, out, model, "--log-json", log)
     monkeypatch.undo()
     assert result.exit_code == 129 and "Traceback" not in result.output, result.output

@@ -158,7 +158,7 @@ def test_resumed_rows_keep_their_logprobs_and_changed_logprobs_flags_are_refused
                          seed=3, logprobs=2, logprobs_column="lp", mode="exspec", checkpoint_rows=1)
     with Generation.open(cfg) as job:  # stopped as a signal would stop it, with rows saved
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 4:
+            if isinstance(event, RowResult) and job.done_rows == 4:
                 job.stop(signal.SIGINT)
         assert job.interrupted and job.saved_rows >= 4
 

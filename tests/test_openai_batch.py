@@ -190,7 +190,7 @@ def test_openai_output_is_written_atomically_and_resumes(tmp_path, model_dirs):
                          batch_size=3, checkpoint_rows=2, quiet=True)
     with Generation.open(cfg) as job:  # stopped as a signal would stop it
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 4:
+            if isinstance(event, RowResult) and job.done_rows == 4:
                 job.stop(signal.SIGINT)
         assert job.interrupted and 4 <= job.saved_rows < 12
     assert not out.exists() and (work_dir_for(out) / "job.json").exists()
@@ -205,7 +205,7 @@ def test_openai_output_is_written_atomically_and_resumes(tmp_path, model_dirs):
     # A changed batch file is refused on resume like a changed prompts file.
     with Generation.open(dataclasses.replace(cfg, overwrite=True)) as job:
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 4:
+            if isinstance(event, RowResult) and job.done_rows == 4:
                 job.stop(signal.SIGINT)
     out.unlink(missing_ok=True)
     write_jsonl(batch, lines[:11] + [request("r11", {"messages": [{"role": "user", "content": "other"}]})])

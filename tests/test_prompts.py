@@ -35,9 +35,9 @@ def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
     prompts = ["hello", [{"role": "tool", "content": "x"}], "x" * too_long, "refused", "bye"]
     rendered = render_prompts(an_input(prompts, {3: "refused by the batch file"}), tokenizer, True, "sys",
                               most_tokens=50, what="--max-prompt-tokens 50")
-    assert [row for row, ids in enumerate(rendered.ids) if ids] == [0, 4]
+    assert [row for row, ids in enumerate(rendered.ids.to_pylist()) if ids] == [0, 4]
     for row in (0, 4):
-        assert rendered.ids[row] == render_prompt(tokenizer, prompts[row], True, "sys")
+        assert rendered.ids[row].as_py() == render_prompt(tokenizer, prompts[row], True, "sys")
     assert sorted(rendered.errors) == [1, 2, 3]
     assert rendered.errors[1] == "cannot render the prompt: tool messages are not supported"
     assert rendered.errors[2].startswith(f"prompt has {too_long} bytes, more than --max-prompt-tokens 50 can hold")
@@ -46,7 +46,7 @@ def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
 
 def test_without_a_limit_no_prompt_is_refused_for_its_size():
     rendered = render_prompts(an_input(["x" * 500]), strict_tokenizer(), False, None)
-    assert rendered.errors == {} and len(rendered.ids[0]) >= 500
+    assert rendered.errors == {} and len(rendered.ids[0].as_py()) >= 500
 
 
 def test_bucket_refuses_an_input_whose_template_raises_naming_the_row(tmp_path):

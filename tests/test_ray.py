@@ -58,7 +58,7 @@ def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_mo
                          batch_size=2, max_new_tokens=6, dtype="float64", checkpoint_rows=2)
     with Generation.open(cfg) as job:  # interrupted after a few rows, as a signal would
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 4:
+            if isinstance(event, RowResult) and job.done_rows == 4:
                 job.stop()
         assert job.interrupted and job.saved_rows >= 4
 

@@ -206,7 +206,7 @@ def test_changed_settings_refused_and_restart_discards(tmp_path, models, prompts
     out, log = tmp_path / "out.parquet", tmp_path / "log.jsonl"
     with Generation.open(library_config(inp, out, models)) as job:  # stop it as a signal would
         for event in job.events():
-            if isinstance(event, RowResult) and len(job.results) == 5:
+            if isinstance(event, RowResult) and job.done_rows == 5:
                 job.stop(signal.SIGINT)
         assert job.interrupted and 5 <= job.saved_rows < small
 

@@ -1,0 +1,178 @@
+"""A job's memory does not grow with its rows; killed three times (once while writing OUT), it still ends with
+every row once, equal to an uninterrupted run, readable by pyarrow, pandas and DuckDB in input order.
+
+The kills run the real CLI in subprocesses on tiny saved models, through a wrapper that only slows the run
+down (a pause after each checkpoint part and each range of the finish) so a kill lands where it is meant to.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchspec_cli import merge
+from batchspec_cli.cli import app
+from batchspec_cli.config import GenerateConfig
+from batchspec_cli.job import Generation, work_dir_for
+from conftest import save_target_and_draft_dirs, save_tiny_model_dir
+
+torch.set_num_threads(1)
+WORDS = "the quick brown fox jumps over a lazy dog by the sea; tell me a story, write a haiku".split()
+
+
+def write_prompts(path: Path, rows: int) -> Path:
+    rng = random.Random(0)
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": " ".join(rng.choice(WORDS) for _ in
+                                                                            range(rng.randint(1, 8)))}) + "\n"
+                            for i in range(rows)))
+    return path
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def held_by_the_run(model: Path, root: Path, rows: int) -> tuple[int, int]:
+    """Python memory (tracemalloc) the job holds once every row ran, and the finish's peak above that."""
+    inp = write_prompts(root / f"in{rows}.jsonl", rows)
+    cfg = GenerateConfig(input=inp, output=root / f"out{rows}.parquet", target=str(model), mode="ar", batch_size=8,
+                         max_new_tokens=4, dtype="float32", checkpoint_rows=16, quiet=True)
+    with Generation.open(cfg) as job:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in job.events():
+                pass
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.reset_peak()
+            job.finish()
+            finish_peak = tracemalloc.get_traced_memory()[1] - before - held
+        finally:
+            tracemalloc.stop()
+    assert pq.read_table(cfg.output).num_rows == rows
+    return held, finish_peak
+
+
+def test_memory_held_does_not_grow_with_the_rows(tmp_path, monkeypatch):
+    """Between N and 4N rows, what the job holds after its rows ran (today: a bitmap of done rows, one byte a
+    row) and the finish's peak (one range of rows at a time) grow by far less than a finished row's objects
+    (a RowResult and its share of StepStats: hundreds of bytes a row)."""
+    monkeypatch.setattr(merge, "MIN_RANGE_ROWS", 64)
+    model = save_tiny_model_dir(tmp_path / "model", seed=0)
+    small, large = 100, 400
+    held_small, finish_small = held_by_the_run(model, tmp_path, small)
+    held_large, finish_large = held_by_the_run(model, tmp_path, large)
+    per_row = (held_large - held_small) / (large - small)
+    per_row_finish = (finish_large - finish_small) / (large - small)
+    assert per_row < 250, (held_small, held_large)
+    assert per_row_finish < 250, (finish_small, finish_large)
+
+
+# --------------------------------------------------------------------------- kills
+
+SLOW = """
+import sys, time
+from batchspec_cli import job, merge
+save, ranges = job._Unsaved.save, merge.ranges
+def slow_save(self):
+    save(self)
+    time.sleep(0.05)
+def slow_ranges(*args):
+    for item in ranges(*args):
+        time.sleep(0.3)
+        yield item
+job._Unsaved.save, merge.ranges, merge.MIN_RANGE_ROWS = slow_save, slow_ranges, 8
+from batchspec_cli.cli import app
+app()
+"""
+N_ROWS = 36
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return save_target_and_draft_dirs(tmp_path_factory.mktemp("scale_models"))
+
+
+def flags(models) -> list[str]:
+    target, draft = models
+    return ["--target", str(target), "--draft", f"{draft},suffix", "--batch-size", "3", "--max-new-tokens", "8",
+            "--dtype", "float64", "--threads", "1", "--quiet", "--checkpoint-rows", "3"]
+
+
+def start(inp: Path, out: Path, models) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SLOW, "generate", str(inp), str(out), *flags(models)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            text=True)
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before the kill: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the kill's moment never came")
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def saved_rows(out: Path) -> int:
+    parts = work_dir_for(out) / "parts"
+    return sum(pq.read_metadata(p).num_rows for p in parts.glob("part-*.rows.parquet")) if parts.exists() else 0
+
+
+def finishing(out: Path) -> bool:
+    """The finish has written some ranges of OUT (its temporary file exists and has data)."""
+    try:
+        job = json.loads((work_dir_for(out) / "job.json").read_text())
+    except (OSError, ValueError):
+        return False
+    temps = list(out.parent.glob(f".{out.name}*")) + list(out.parent.glob(f"{out.name}.*"))
+    return job.get("finishing") and any(t.is_file() and t.stat().st_size > 0 for t in temps)
+
+
+def test_three_kills_one_in_the_finish_then_rerun_every_row_once(tmp_path, models):
+    inp = write_prompts(tmp_path / "in.jsonl", N_ROWS)
+    reference = tmp_path / "reference.parquet"
+    done = CliRunner().invoke(app, ["generate", str(inp), str(reference), *flags(models)])
+    assert done.exit_code == 0, done.output
+
+    out = tmp_path / "out.parquet"
+    kill_when(start(inp, out, models), lambda: saved_rows(out) >= 6)
+    first = saved_rows(out)
+    kill_when(start(inp, out, models), lambda: saved_rows(out) >= first + 6)
+    kill_when(start(inp, out, models), lambda: finishing(out))
+    assert not out.exists() and saved_rows(out) == N_ROWS
+    rerun = start(inp, out, models)
+    stdout, stderr = rerun.communicate(timeout=240)
+    assert rerun.returncode == 0, stderr
+
+    table, expected = pq.read_table(out), pq.read_table(reference)
+    ids = [f"r{i}" for i in range(N_ROWS)]
+    assert table.column("id").to_pylist() == ids  # every row once, in input order
+    for name in ("completion", "completion_token_ids", "finish_reason", "prompt_tokens", "error"):
+        assert table.column(name).equals(expected.column(name)), name
+    assert pq.ParquetFile(out).metadata.num_row_groups > 1  # written range by range
+    assert list(__import__("pandas").read_parquet(out)["id"]) == ids
+    assert [r[0] for r in duckdb.sql(f"SELECT id FROM read_parquet('{out}')").fetchall()] == ids
+    steps = pq.read_table(out.with_name("out.stats.parquet")).column("step").to_pylist()
+    assert len(steps) == len(set(steps)) and steps
+    assert not work_dir_for(out).exists()
