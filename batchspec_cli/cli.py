@@ -131,6 +131,17 @@ def generate(
     logprobs_mode: Annotated[str, typer.Option("--logprobs-mode", help="raw: the target's log-softmax before "
                                                "temperature/top-k/top-p | processed: after them (the distribution "
                                                "sampled from).")] = "raw",
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="Every completion is JSON valid "
+                                                        "under the JSON schema in this file.")] = None,
+    regex: Annotated[Optional[str], typer.Option("--regex", help="Every completion matches this regular "
+                                                 "expression.")] = None,
+    choice: Annotated[Optional[list[str]], typer.Option("--choice", help="Every completion is exactly one of "
+                                                        "these strings (repeatable).")] = None,
+    json: Annotated[bool, typer.Option("--json", help="Every completion is a JSON object.")] = False,
+    response_format_column: Annotated[Optional[str], typer.Option("--response-format-column", help="Per-row "
+                                                                  "constraint: an OpenAI response_format object "
+                                                                  "(json_schema or json_object) or a JSON schema "
+                                                                  "(null: the job's).")] = None,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = None,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")] = None,

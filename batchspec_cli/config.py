@@ -13,9 +13,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import constraints
 from . import io as bio
 from . import logprobs as lp
 from . import sources
+from .constraints import Constraint
 from .engine import MODES
 
 KERNELS = ("auto", "stock", "packed")
@@ -83,6 +85,13 @@ class GenerateConfig:
     prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
     id_column: str = setting("id", fingerprint=True, metadata=True)
     dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # The shape every completion must have (constraints.py): at most one of these for the whole job, and per-row
+    # response_format cells (an OpenAI response_format object or a bare JSON schema; null: the job's).
+    json_schema: Path | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    regex: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    choice: tuple[str, ...] | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    json: bool = setting(False, fingerprint=True, metadata=True, recent=True)  # any JSON object
+    response_format_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
     # What the output holds besides the completions.
     logprobs: int | None = setting(None, fingerprint=True, metadata=True, recent=True)  # the top N alternatives too
     logprobs_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # per-row N
@@ -110,6 +119,7 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
+        self.choice = tuple(self.choice) if self.choice else None
 
     @classmethod
     def from_options(cls, options: dict) -> "GenerateConfig":
@@ -198,6 +208,8 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.checkpoint_rows >= 1, f"--checkpoint-rows must be a positive integer, got {cfg.checkpoint_rows}"),
         (cfg.checkpoint_seconds > 0, f"--checkpoint-seconds must be positive, got {cfg.checkpoint_seconds}"),
         (all(cfg.stop), "--stop strings must not be empty"),
+        (sum(map(bool, (cfg.json_schema, cfg.regex is not None, cfg.choice, cfg.json))) <= 1,
+         "--json-schema, --regex, --choice and --json are exclusive: give one"),
     ]
     for ok, message in checks:
         if not ok:
@@ -256,7 +268,65 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
         out[name] = values
     if cfg.stop_column is not None:
         out["stop"] = stop_cells(table, cfg.stop_column, cfg.input)
+    if cfg.response_format_column is not None:
+        out["response_format"] = response_format_cells(table, cfg.response_format_column, cfg.input)
     return out
+
+
+def job_constraint(cfg: GenerateConfig) -> Constraint | None:
+    """The job's --json-schema / --regex / --choice / --json; UsageError (one line) when it cannot be used."""
+    try:
+        if cfg.json_schema is not None:
+            try:
+                text = Path(cfg.json_schema).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise constraints.ConstraintError(f"cannot read it ({getattr(exc, 'strerror', None) or exc})")
+            constraint = constraints.json_schema(text)
+        elif cfg.regex is not None:
+            constraint = constraints.regex(cfg.regex)
+        elif cfg.choice:
+            constraint = constraints.choice(cfg.choice)
+        elif cfg.json:
+            constraint = constraints.any_json()
+        else:
+            return None
+        error = constraints.problem(constraint)
+        if error:
+            raise constraints.ConstraintError(error)
+    except constraints.ConstraintError as exc:
+        flag = ("--json-schema " + str(cfg.json_schema) if cfg.json_schema is not None else
+                "--regex" if cfg.regex is not None else "--choice" if cfg.choice else "--json")
+        raise UsageError(f"{flag}: {exc}") from None
+    return constraint
+
+
+def response_format_cells(table, column: str, source) -> list[Constraint | None]:
+    """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
+    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
+    if column not in table.column_names:
+        raise bio.InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
+                             f"input")
+    out = []
+    for value in table.column(column).to_pylist():
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            constraint = constraints.from_response_format(_without_nulls(value))
+            error = constraints.problem(constraint) if constraint is not None else None
+        except constraints.ConstraintError as exc:
+            error = str(exc)
+        out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)
+    return out
+
+
+def _without_nulls(value):
+    """An object read from a table, without the null members a struct column gives the keys other rows have."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def stop_cells(table, column: str, source) -> list[tuple[str, ...]]:

@@ -50,6 +50,7 @@ import torch
 from . import drafters as drafting
 from . import sampling
 from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
+from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import Request, RowResult, StepStats
@@ -134,7 +135,7 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | None, eos_ids: list[int], cfg: EngineConfig,
                  stop_checker: StopChecker | None = None, lookups: list[drafting.Drafter] | None = None,
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, guide: Guide | None = None):
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
@@ -150,10 +151,16 @@ class Engine:
                          if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
+        self.eos_set = set(eos_ids)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
+        # The constrained rows' matchers (constraints.py); without a tokenizer a constrained row is an error row.
+        self.guide = guide if guide is not None else Guide(None, self.vocab)
+        for drafter in self.lookups:
+            if hasattr(drafter, "bind"):
+                drafter.bind(self.guide)
         self.step_no = 0
         self.model_drafter = (ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
                               if self.draft is not None and self.max_k > 0 else None)
@@ -200,13 +207,14 @@ class Engine:
         self.draft_prefill_s = 0.0  # draft prefills at admission since the last round (within its elapsed_s)
         self.admit_s = 0.0  # the target's admission prefills since the last round (within its elapsed_s)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
+        self.guide.clear()
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
             return "empty prompt after tokenization"
         if self.context is not None and len(req.prompt_ids) >= self.context:
             return f"prompt has {len(req.prompt_ids)} tokens; the model's context is {self.context}"
-        return None
+        return self.guide.admit(req.row, req.constraint)  # the row's matcher, or what is wrong with its constraint
 
     def _limit(self, req: Request) -> int:
         return req.max_new_tokens if self.context is None else min(req.max_new_tokens,
@@ -427,6 +435,7 @@ class Engine:
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
             draft, drafters = self._draft(slots, rows_index, pad, T, choice, proposals, noise)
+            masks = self._constrain(slots, draft, k)  # cuts the drafts the grammars refuse; None: no row constrained
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = self.layout.tokens[rows_index, T - 1 : T]
@@ -435,12 +444,15 @@ class Engine:
             logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, inputs, pad,
                                    T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
-            target_tokens = self._choose_tokens(logits, rows_index, noise, 0)  # [G, k+1]
-            logprobs = self.logprobs.device_values([state.rows[s] for s in slots], logits, target_tokens,
-                                                   state.temperature[rows_index], state.top_k[rows_index],
-                                                   state.top_p[rows_index])
+            masked = logits if masks is None else logits.masked_fill(~masks, float("-inf"))  # [G, k+1, V]
+            target_tokens = self._choose_tokens(masked, rows_index, noise, 0)  # [G, k+1]
+            logprobs = self.logprobs.device_values([state.rows[s] for s in slots],
+                                                   masked if self.cfg.logprobs_mode == "processed" else logits,
+                                                   target_tokens, state.temperature[rows_index],
+                                                   state.top_k[rows_index], state.top_p[rows_index])
             if k:
-                lengths = None if choice.source == "model" else device_tensor(draft.lengths, self.device)
+                lengths = None if choice.source == "model" and masks is None \
+                    else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
             else:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
@@ -560,6 +572,18 @@ class Engine:
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
+    def _constrain(self, slots: list[int], draft: Proposal, k: int) -> torch.Tensor | None:
+        """The constrained rows' masks [G, k+1, V] (bool, on the device) for the verify positions; None when no
+        row of the group is constrained (no cost). Drafts are cut at the first token a row's grammar refuses
+        (``draft.lengths``), and the masks are those of the row's committed prefix plus its drafts before each
+        position (``constraints.Guide.walk``)."""
+        rows = [self.state.rows[s].row for s in slots]
+        if not self.guide.any(rows):
+            return None
+        drafts = [[]] * len(slots) if not k else [row[:n] for row, n in zip(draft.tokens.tolist(), draft.lengths)]
+        draft.lengths, masks = self.guide.walk(rows, drafts, self.eos_set, k + 1)
+        return masks.to(self.device, non_blocking=True)
+
     def _commit(self, rows_index, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
                 logprobs: torch.Tensor | None = None) -> Committed:
         """Write the round's block and advance the rows; returns what each row committed, on the host.
@@ -601,6 +625,7 @@ class Engine:
             ids.extend(block[: emitted[i]])
             for drafter in self.lookups:
                 drafter.extend(row, block[: emitted[i]])
+            self.guide.extend(row, block[: emitted[i]])
             if self.stop_checker is not None:
                 cut = self.stop_checker(ids, emitted[i], state.rows[slot].stop)
                 if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
@@ -617,6 +642,7 @@ class Engine:
         return Committed(emitted, kept, codes, committed.blocks, committed.logprobs), finished
 
     def _error_row(self, req: Request, error: str) -> RowResult:
+        self.guide.finish(req.row)
         return RowResult(req.row, req.id, [], "error", error=error, prompt_tokens=len(req.prompt_ids))
 
     def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
@@ -631,6 +657,7 @@ class Engine:
             self.logprobs.pop(req.row)
             result = self._error_row(req, error)
         self.pool.free(slot)
+        self.guide.finish(req.row)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
         return result

@@ -32,6 +32,7 @@ import torch
 from buckets import BucketError, iter_bucket_rows
 
 from . import __version__
+from . import constraints
 from . import drafters
 from . import io as bio
 from . import logprobs as lp
@@ -217,8 +218,9 @@ class Generation:
     def requests(self) -> Iterator[Request]:
         """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
         cfg, plan = self.cfg, self.plan
-        temperature, seed, max_new, top_p, stops, logprobs = (
-            plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
+        temperature, seed, max_new, top_p, stops, logprobs, formats = (
+            plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs",
+                                                  "response_format"))
         skip = set(self.results)
         current = None
         for bucket, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
@@ -248,7 +250,7 @@ class Generation:
                 yield Request(row=row, id=plan.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
                               bucket=bucket.index, pad_to=bucket.hi, logprobs=row_value(logprobs, row, cfg.logprobs),
-                              stop=row_value(stops, row, ()))
+                              stop=row_value(stops, row, ()), constraint=row_value(formats, row, plan.constraint))
         if current is not None:
             self._progress.seal(current)
 
@@ -379,8 +381,10 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     draft_handle = ModelHandle(draft.model, models.cache_kwarg(draft.model)) if draft else None
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
+    guide = constraints.Guide(lambda: constraints.tokenizer_for(tokenizer, eos_ids),
+                              target.model.get_output_embeddings().weight.shape[0])  # its tokenizer built on first use
     return Engine(target_handle, draft_handle, eos_ids, econf, stop_checker=checker,
-                  lookups=drafters.make(lookup_names))
+                  lookups=drafters.make(lookup_names), guide=guide)
 
 
 def _transformers_version() -> str:

@@ -23,8 +23,9 @@ from . import models
 from . import openai_batch
 from . import sources
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, row_overrides, settings_record,
-                     tokenizer_settings)
+from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, job_constraint, row_overrides,
+                     settings_record, tokenizer_settings)
+from .constraints import Constraint
 from .events import RowResult, StepStats
 from .prompts import render_prompts
 
@@ -55,6 +56,7 @@ class JobPlan:
     resumed: tuple[RowResult, ...] = ()  # rows an interrupted run of this job saved
     resumed_stats: tuple[StepStats, ...] = ()
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
+    constraint: Constraint | None = None  # the job's --json-schema / --regex / --choice / --json (rows may differ)
 
     @property
     def total_rows(self) -> int:
@@ -70,16 +72,20 @@ class JobPlan:
 
 
 def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
-    """Everything that decides the rows' completions; a resumed run must match it exactly."""
+    """Everything that decides the rows' completions; a resumed run must match it exactly (a JSON schema file by
+    its contents; per-row constraints are the input's)."""
+    schema = {"json_schema": plan.constraint.text} if cfg.json_schema is not None else {}
     return {**settings_record(cfg, "fingerprint", input=plan.input_hash, mode=plan.mode,
                               target=model_signature(plan.target.name, plan.target.source),
-                              draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None),
+                              draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None,
+                              **schema),
             "rows": plan.total_rows}
 
 
 def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     """Check the output, take the lock, read the input, load the models, then resume this job's saved
     work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided once."""
+    constraint = job_constraint(cfg)  # a bad schema or regex is refused before anything is read
     bio.check_output_path(cfg.output, overwrite=True)
     stats_path = cfg.stats or bio.stats_path_for(cfg.output)
     bio.check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
@@ -120,7 +126,9 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
 
     # Tokenizers first (cheap): a mismatched draft is refused before loading weights.
     notes = []
-    draft_spec, lookup_names = _drafters(cfg)
+    constrained = constraint is not None or cfg.response_format_column is not None \
+        or any(overrides.get("response_format") or ())
+    draft_spec, lookup_names = _drafters(cfg, constrained)
     mode = cfg.mode
     if draft_spec is None and not lookup_names and mode != "ar":
         notes.append(f"no drafter available: running plain autoregressive decoding (--mode ar) instead of {mode}")
@@ -150,7 +158,7 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
         lookup_names=tuple(lookup_names), eos_ids=models.eos_ids(target.model, target.tokenizer), kernels=kernels_run,
         notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
-        bucket_dir=bucket_dir, manifest=manifest)
+        bucket_dir=bucket_dir, manifest=manifest, constraint=constraint)
 
     # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
     if saved_job is not None:
@@ -168,13 +176,13 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     return plan
 
 
-def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
+def _drafters(cfg: GenerateConfig, constrained: bool = False) -> tuple[str | None, list[str]]:
     """(draft model spec or None, model-free drafter names) from --draft, or the defaults.
 
-    ``--draft`` takes a model, ``ngram``, ``suffix``, or a comma list of them (one model
-    at most). Without it: the shipped draft for the embedded default target, plus
+    ``--draft`` takes a model, ``ngram``, ``suffix``, ``grammar``, or a comma list of them
+    (one model at most). Without it: the shipped draft for the embedded default target, plus
     ``suffix`` under ``auto``; ``suffix`` for any other target, so every target gets
-    speculation.
+    speculation; and ``grammar`` when rows are constrained (it drafts the forced tokens).
     """
     if cfg.draft is not None:
         parts = [part.strip() for part in cfg.draft.split(",")]
@@ -186,10 +194,11 @@ def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
         return (specs[0] if specs else None), [name for name in drafters.NAMES if name in parts]
     if cfg.mode == "ar":
         return None, []
+    grammar = ["grammar"] if constrained else []
     shipped = models.default_draft_path() if cfg.target is None else None
     if shipped is not None:
-        return str(shipped), (["suffix"] if cfg.mode == "auto" else [])
-    return None, ["suffix"]
+        return str(shipped), (["suffix"] if cfg.mode == "auto" else []) + grammar
+    return None, ["suffix"] + grammar
 
 
 def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,

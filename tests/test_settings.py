@@ -66,7 +66,7 @@ OLD_LABELS = {
 
 
 RECENT = {"input_format", "split", "config", "top_p_column", "stop_column", "logprobs", "logprobs_column",
-          "logprobs_mode"}  # recent=True: newer than OLD_LABELS
+          "logprobs_mode", "json_schema", "regex", "choice", "json", "response_format_column"}  # recent=True: newer than OLD_LABELS
 
 
 def test_fingerprint_labels_are_unchanged_in_order():
