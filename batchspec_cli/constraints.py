@@ -37,6 +37,10 @@ import torch
 
 KINDS = ("json_schema", "json", "regex", "choice")
 ANY_JSON_OBJECT = '{"type": "object"}'
+# JSON is written as Python's json.dumps writes it: ", " and ": " separators and no other whitespace (a schema's
+# own "x-guidance" options may say otherwise). Free whitespace would let a row pad its answer with blanks, and it
+# leaves nothing forced: after "{" a blank is as allowed as the key, so the grammar drafter would have no drafts.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ConstraintError(ValueError):
@@ -56,10 +60,9 @@ class Constraint:
         """The llguidance grammar (its validity is checked by ``problem``, or when a matcher is built)."""
         import llguidance
 
-        if self.kind == "json":
-            return llguidance.grammar_from("json_schema", ANY_JSON_OBJECT)
-        if self.kind == "json_schema":
-            return llguidance.grammar_from("json_schema", self.text)
+        if self.kind in ("json", "json_schema"):
+            return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT if self.kind == "json" else self.text,
+                                                                 defaults=JSON_STYLE)
         if self.kind == "regex":
             return llguidance.grammar_from("regex", self.text)
         if self.kind == "choice":
@@ -90,7 +93,7 @@ def json_schema(schema) -> Constraint:
     schema = _parsed(schema, "the JSON schema")
     if not isinstance(schema, dict):
         raise ConstraintError(f"a JSON schema must be a JSON object, got {type(schema).__name__}")
-    return Constraint("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))  # the properties in their order
 
 
 def regex(pattern: str) -> Constraint:

@@ -15,6 +15,7 @@ model's vocabulary is wider than the tokenizer's (embedding padding the mask mus
 from __future__ import annotations
 
 import json
+import math
 
 import jsonschema
 import llguidance
@@ -340,3 +341,68 @@ def test_cli_response_format_column_and_openai_batch(model_dir, tmp_path):
     assert answers[4]["error"] is not None and "objectx" in answers[4]["error"]["message"]
     for i in (0, 1, 2, 3, 5):
         assert answers[i]["response"]["body"]["choices"][0]["text"] == rows[i]["completion"], i
+
+
+def test_out_of_memory_mid_verify_leaves_the_matchers_as_committed(target, draft, references):
+    """The masks of a round are taken before its verify forward; a forward that fails after them must find every
+    matcher holding the committed tokens only: the halved retry decodes exactly the reference."""
+    import copy
+
+    from test_engine import _OOMOnce
+
+    victim = copy.deepcopy(target)
+    victim.model.layers[1] = _OOMOnce(victim.model.layers[1], fail_at=9)
+    results = run(victim, [prompt_ids(i) for i in range(8)], cycle, mode="exspec", batch=8, k=3, draft=draft,
+                  lookups=["grammar"])
+    assert victim.model.layers[1].calls > 9, "the fault was injected"
+    for i, r in results.items():
+        assert r.token_ids == references[i], i
+
+
+def test_fingerprint_holds_the_constraint(tmp_path):
+    """A resumed run must have the same constraint: the schema file's contents (not its path), the regex, the
+    choices, --json and the per-row column are in the job's fingerprint."""
+    from types import SimpleNamespace
+
+    from batchspec_cli.config import GenerateConfig, job_constraint
+    from batchspec_cli.plan import fingerprint
+
+    schema = tmp_path / "s.json"
+
+    def fp(**kw):
+        cfg = GenerateConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", **kw)
+        model = SimpleNamespace(name="m", source=str(tmp_path / "no-model"))
+        plan = SimpleNamespace(input_hash="h", mode="ar", target=model, draft=None, total_rows=1,
+                               constraint=job_constraint(cfg))
+        return fingerprint(cfg, plan)
+
+    schema.write_text(json.dumps(SCHEMA))
+    first = fp(json_schema=schema)
+    schema.write_text(json.dumps({**SCHEMA, "required": ["name"]}))
+    assert fp(json_schema=schema) != first
+    plain = fp()
+    assert "json_schema" not in plain and "regex" not in plain  # jobs without constraints resume as before
+    assert len({json.dumps(fp(**kw), sort_keys=True) for kw in (
+        {}, {"regex": "a+"}, {"regex": "b+"}, {"choice": ("a", "b")}, {"json": True},
+        {"response_format_column": "rf"})}) == 6
+
+
+@pytest.mark.parametrize("logprobs_mode", ["raw", "processed"])
+def test_processed_logprobs_are_masked(target, logprobs_mode):
+    """--logprobs-mode processed lists the constrained distribution (only what the grammar allows, summing to 1);
+    raw stays the target's own."""
+    choice = constraints.choice(["yes", "no", "maybe not"])
+    cfg = EngineConfig(mode="ar", batch_size=2, pad_id=0, logprobs_mode=logprobs_mode)
+    engine = Engine(ModelHandle(target, "cache"), None, [EOS], cfg,
+                    guide=constraints.Guide(lambda: LLT, target.config.vocab_size))
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=prompt_ids(i), max_new_tokens=12, logprobs=5, constraint=choice)
+                for i in range(2)]
+    for result in (e for e in engine.run(requests) if isinstance(e, RowResult)):
+        first = result.logprobs[0]
+        starts = {TOKENIZER.encode(c, add_special_tokens=False)[0] for c in CHOICES}
+        listed = {token for token, _ in first.top}
+        if logprobs_mode == "processed":
+            assert listed <= starts and first.token_id in starts
+            assert abs(sum(math.exp(lp) for _, lp in first.top) - 1) < 1e-9
+        else:
+            assert len(listed) == 5 and not listed <= starts
