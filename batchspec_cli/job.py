@@ -125,6 +125,7 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
         "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),
         "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
         **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
+        **({"constraint": {"kind": plan.constraint.kind, "text": plan.constraint.text}} if plan.constraint else {}),
     }
 
 

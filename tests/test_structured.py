@@ -406,3 +406,21 @@ def test_processed_logprobs_are_masked(target, logprobs_mode):
             assert abs(sum(math.exp(lp) for _, lp in first.top) - 1) < 1e-9
         else:
             assert len(listed) == 5 and not listed <= starts
+
+
+def test_verify_decodes_constrained_rows_under_their_mask(model_dir, tmp_path):
+    """`batchspec verify` re-decodes a constrained row with the row's own mask (job-wide or per-row cell)."""
+    from typer.testing import CliRunner
+
+    from batchspec_cli.cli import app
+
+    rf = [None, json.dumps({"type": "json_object"}), json.dumps(SCHEMA), None]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p, "rf": f, "t": 0.7 if i % 2 else None}
+                                              for i, (p, f) in enumerate(zip(CLI_PROMPTS, rf))])
+    out = tmp_path / "out.parquet"
+    result = cli(model_dir, inp, out, "--regex", REGEX, "--response-format-column", "rf", "--temperature-column", "t",
+                 "--mode", "exspec", "--draft", "grammar,ngram")
+    assert result.exit_code == 0, result.output
+    checked = CliRunner().invoke(app, ["verify", str(out), "--device", "cpu"])
+    assert checked.exit_code == 0, checked.output
+    assert "4/4" in checked.output or "4 of 4" in checked.output or "exact" in checked.output, checked.output
