@@ -273,33 +273,6 @@ def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
     return out
 
 
-def job_constraint(cfg: GenerateConfig) -> Constraint | None:
-    """The job's --json-schema / --regex / --choice / --json; UsageError (one line) when it cannot be used."""
-    try:
-        if cfg.json_schema is not None:
-            try:
-                text = Path(cfg.json_schema).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise constraints.ConstraintError(f"cannot read it ({getattr(exc, 'strerror', None) or exc})")
-            constraint = constraints.json_schema(text)
-        elif cfg.regex is not None:
-            constraint = constraints.regex(cfg.regex)
-        elif cfg.choice:
-            constraint = constraints.choice(cfg.choice)
-        elif cfg.json:
-            constraint = constraints.any_json()
-        else:
-            return None
-        error = constraints.problem(constraint)
-        if error:
-            raise constraints.ConstraintError(error)
-    except constraints.ConstraintError as exc:
-        flag = ("--json-schema " + str(cfg.json_schema) if cfg.json_schema is not None else
-                "--regex" if cfg.regex is not None else "--choice" if cfg.choice else "--json")
-        raise UsageError(f"{flag}: {exc}") from None
-    return constraint
-
-
 def response_format_cells(table, column: str, source) -> list[Constraint | None]:
     """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
     null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
@@ -312,33 +285,10 @@ def response_format_cells(table, column: str, source) -> list[Constraint | None]
             out.append(None)
             continue
         try:
-            constraint = constraints.from_response_format(_without_nulls(value))
+            constraint = constraints.from_response_format(value)
             error = constraints.problem(constraint) if constraint is not None else None
         except constraints.ConstraintError as exc:
             error = str(exc)
         out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)
-    return out
-
-
-def _without_nulls(value):
-    """An object read from a table, without the null members a struct column gives the keys other rows have."""
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
-def stop_cells(table, column: str, source) -> list[tuple[str, ...]]:
-    """Per-row stop strings from a column of strings or lists of strings (null: none of its own)."""
-    if column not in table.column_names:
-        raise bio.InputError(f"{source}: --stop-column names column {column!r}, which is not in the input")
-    out = []
-    for i, value in enumerate(table.column(column).to_pylist()):
-        stops = () if value is None else (value,) if isinstance(value, str) else value
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-            raise bio.InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "
-                                 f"of them, got {value!r}")
-        out.append(tuple(stops))
     return out
 

@@ -116,7 +116,7 @@ def any_json() -> Constraint:
 def from_response_format(value) -> Constraint | None:
     """An OpenAI ``response_format`` object (as a dict or JSON text), or a bare JSON schema; None for
     ``{"type": "text"}`` (no constraint). ConstraintError names what is wrong with it."""
-    value = _parsed(value, "response_format")
+    value = _without_nulls(_parsed(value, "response_format"))
     if not isinstance(value, dict):
         raise ConstraintError(f"response_format must be a JSON object, got {value!r}")
     kind = value.get("type")
@@ -132,6 +132,15 @@ def from_response_format(value) -> Constraint | None:
             raise ConstraintError("response_format json_schema has no 'schema'")
         return json_schema(spec["schema"])
     return json_schema(value)  # a bare schema
+
+
+def _without_nulls(value):
+    """An object without null members (a table's struct column gives every row the keys other rows have)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def problem(constraint: Constraint) -> str | None:

@@ -577,6 +577,8 @@ class Engine:
         row of the group is constrained (no cost). Drafts are cut at the first token a row's grammar refuses
         (``draft.lengths``), and the masks are those of the row's committed prefix plus its drafts before each
         position (``constraints.Guide.walk``)."""
+        if not self.guide.matchers:  # no constrained row in flight: nothing to do
+            return None
         rows = [self.state.rows[s].row for s in slots]
         if not self.guide.any(rows):
             return None

@@ -17,14 +17,15 @@ from pathlib import Path
 
 from buckets import BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets, read_all_rows, settings_hash
 
+from . import constraints
 from . import drafters
 from . import io as bio
 from . import models
 from . import openai_batch
 from . import sources
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, job_constraint, row_overrides,
-                     settings_record, tokenizer_settings)
+from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, row_overrides, settings_record,
+                     tokenizer_settings)
 from .constraints import Constraint
 from .events import RowResult, StepStats
 from .prompts import render_prompts
@@ -174,6 +175,33 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     work.save_part(list(plan.announce), [])  # saved before the job exists: resumable means complete
     work.start_job(fingerprint(cfg, plan), plan.total_rows)
     return plan
+
+
+def job_constraint(cfg: GenerateConfig) -> Constraint | None:
+    """The job's --json-schema / --regex / --choice / --json; UsageError (one line) when it cannot be used."""
+    try:
+        if cfg.json_schema is not None:
+            try:
+                text = Path(cfg.json_schema).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise constraints.ConstraintError(f"cannot read it ({getattr(exc, 'strerror', None) or exc})")
+            constraint = constraints.json_schema(text)
+        elif cfg.regex is not None:
+            constraint = constraints.regex(cfg.regex)
+        elif cfg.choice:
+            constraint = constraints.choice(cfg.choice)
+        elif cfg.json:
+            constraint = constraints.any_json()
+        else:
+            return None
+        error = constraints.problem(constraint)
+        if error:
+            raise constraints.ConstraintError(error)
+    except constraints.ConstraintError as exc:
+        flag = ("--json-schema " + str(cfg.json_schema) if cfg.json_schema is not None else
+                "--regex" if cfg.regex is not None else "--choice" if cfg.choice else "--json")
+        raise UsageError(f"{flag}: {exc}") from None
+    return constraint
 
 
 def _drafters(cfg: GenerateConfig, constrained: bool = False) -> tuple[str | None, list[str]]:

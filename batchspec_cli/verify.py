@@ -168,12 +168,11 @@ class GrammarMask:
 def _mask_for(meta: dict, row: dict, tokenizer, eos: list[int], vocab: int, prompt_len: int) -> GrammarMask | None:
     """The row's constraint as the run had it: its response_format cell, else the job's (the run's metadata)."""
     from . import constraints
-    from .config import _without_nulls
 
     constraint = None
     column = meta.get("response_format_column")
     if column and row.get(column) is not None:
-        constraint = constraints.from_response_format(_without_nulls(row[column]))
+        constraint = constraints.from_response_format(row[column])
     elif meta.get("constraint"):
         constraint = constraints.Constraint(meta["constraint"]["kind"], meta["constraint"]["text"])
     if constraint is None:

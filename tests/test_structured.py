@@ -364,8 +364,8 @@ def test_fingerprint_holds_the_constraint(tmp_path):
     choices, --json and the per-row column are in the job's fingerprint."""
     from types import SimpleNamespace
 
-    from batchspec_cli.config import GenerateConfig, job_constraint
-    from batchspec_cli.plan import fingerprint
+    from batchspec_cli.config import GenerateConfig
+    from batchspec_cli.plan import fingerprint, job_constraint
 
     schema = tmp_path / "s.json"
 
