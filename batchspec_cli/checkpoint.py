@@ -41,8 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import io as bio
+from .errors import one_line
 from .events import RowResult, StepStats
+from .files import create_temp, fsync_directory, pid_alive
+from .outputs import read_table, results_from_table, results_table, stats_from_table, stats_table, write_table_atomic
 
 JOB_FORMAT = "batchspec-job"
 JOB_VERSION = 1
@@ -90,7 +92,7 @@ class WorkDir:
                 if not os.path.lexists(self.path):
                     self.path.mkdir()
                     created = True
-                    bio.fsync_directory(self.path.parent)  # the work directory itself survives a power loss
+                    fsync_directory(self.path.parent)  # the work directory itself survives a power loss
                 check_own_directory(self.path)
                 fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             except FileExistsError:
@@ -106,7 +108,7 @@ class WorkDir:
                     f.write(json.dumps(_own_lock_info()) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
-                bio.fsync_directory(self.path)
+                fsync_directory(self.path)
             except OSError as exc:  # a full disk: the lock is ours, and useless
                 self.lock_path.unlink(missing_ok=True)
                 if created:
@@ -163,7 +165,7 @@ class WorkDir:
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{self.job_path} is unreadable ({bio.one_line(exc)})") from None
+            raise CheckpointError(f"{self.job_path} is unreadable ({one_line(exc)})") from None
         if not isinstance(body, dict) or body.get("format") != JOB_FORMAT or body.get("version") != JOB_VERSION \
                 or not isinstance(body.get("fingerprint"), dict):
             raise CheckpointError(f"{self.job_path} is not a batchspec {JOB_VERSION} job file")
@@ -182,7 +184,7 @@ class WorkDir:
 
     def _write_job(self, body: dict) -> None:
         check_own_directory(self.path)
-        tmp, fd = bio.create_temp(self.job_path, mode=0o644)
+        tmp, fd = create_temp(self.job_path, mode=0o644)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(json.dumps(body, indent=1, sort_keys=True, default=str) + "\n")
@@ -192,7 +194,7 @@ class WorkDir:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        bio.fsync_directory(self.path)
+        fsync_directory(self.path)
 
     def clear(self) -> None:
         """Remove this tool's entries but the lock: the start of a new job."""
@@ -214,7 +216,7 @@ class WorkDir:
             self.path.rmdir()
         except OSError:
             pass  # another run took it meanwhile, or something else lives there: not ours to delete
-        bio.fsync_directory(self.path.parent)
+        fsync_directory(self.path.parent)
 
     def _remove_own_entries(self) -> None:
         """Delete job.json, parts/, buckets/ and the temporary files this tool leaves in the work directory."""
@@ -254,11 +256,11 @@ class WorkDir:
                     continue
                 numbers.append(number)
                 try:
-                    table = bio.read_table(path)
+                    table = read_table(path)
                     if kind == "rows":
-                        results.extend(bio.results_from_table(table))
+                        results.extend(results_from_table(table))
                     else:
-                        stats.extend(bio.stats_from_table(table))
+                        stats.extend(stats_from_table(table))
                 except Exception:  # noqa: BLE001 - a damaged part of any kind is dropped and redone
                     dropped.append(path.name)
                     path.unlink(missing_ok=True)
@@ -271,14 +273,14 @@ class WorkDir:
             return
         if not os.path.lexists(self.parts):
             self.parts.mkdir(exist_ok=True)
-            bio.fsync_directory(self.path)
+            fsync_directory(self.path)
         check_own_directory(self.parts)
         number, self._next_part = self._next_part, self._next_part + 1
         # Statistics first: a rows part on disk always has its statistics beside it.
         if stats:
-            bio.write_table_atomic(self.parts / f"part-{number:06d}.stats.parquet", bio.stats_table(stats))
+            write_table_atomic(self.parts / f"part-{number:06d}.stats.parquet", stats_table(stats))
         if results:
-            bio.write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", bio.results_table(results))
+            write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", results_table(results))
 
 
 _OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
@@ -425,13 +427,7 @@ def _alive(info: dict) -> bool:
     boot = _boot_id()
     if info.get("boot_id") and boot and info["boot_id"] != boot:
         return False  # the machine restarted since the lock was taken
-    try:
-        os.kill(info["pid"], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by another user
-    except OverflowError:
+    if not pid_alive(info["pid"]):
         return False
     start = info.get("start")
     if start is not None and _process_start(info["pid"]) not in (None, start):

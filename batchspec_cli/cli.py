@@ -40,9 +40,12 @@ from . import __version__  # from importlib.metadata
 from .checkpoint import CheckpointError
 from .config import GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
+from .errors import InputError, one_line
 from .events import RowResult, StepStats
-from .io import InputError, check_distinct, one_line, stats_path_for
+from .files import check_distinct
+from .inputs import read_input
 from .job import BucketDone, Generation, Interrupted, Started
+from .outputs import stats_path_for
 from .stats import acceptance_length
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
@@ -417,7 +420,6 @@ def verify(
     """Re-decode rows one at a time with plain decoding and compare (exit 1 on an unexplained mismatch).
 
     Greedy rows are re-decoded greedily; sampled rows with the same keyed Gumbel noise as the run."""
-    from . import io as bio
     from . import models
     from .verify import verify_run
 
@@ -430,7 +432,7 @@ def verify(
     out = Console(quiet=quiet, soft_wrap=True)
     try:
         report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device)
-    except (bio.InputError, models.ModelError) as exc:
+    except (InputError, models.ModelError) as exc:
         raise fail(str(exc)) from None
     out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
               f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
@@ -505,8 +507,6 @@ def bucket(
 ) -> None:
     """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
     from buckets import BucketError, build_buckets
-
-    from . import io as bio
     from . import models
     from .config import GenerateConfig, tokenizer_settings
     from .prompts import render_prompts
@@ -514,7 +514,7 @@ def bucket(
     if bucket_width is not None and bucket_width < 1:
         raise fail(f"--bucket-width must be positive, got {bucket_width}")
     try:
-        inp = bio.read_input(input, prompt_column, id_column, limit)
+        inp = read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
         rendered = render_prompts(inp, tokenizer, chat, system)
         if rendered.errors:
@@ -524,7 +524,7 @@ def bucket(
                              id_column=id_column, chat=chat, system=system)
         manifest = build_buckets(directory, inp.table, rendered.ids, tokenizer_settings(cfg, name), width=bucket_width,
                                  min_rows=min_rows, overwrite=overwrite)
-    except (bio.InputError, models.ModelError, BucketError) as exc:
+    except (InputError, models.ModelError, BucketError) as exc:
         raise fail(str(exc)) from None
     Console(quiet=quiet, soft_wrap=True).print(f"wrote {manifest.total_rows} rows in {len(manifest.buckets)} buckets to {directory}",
                                highlight=False)

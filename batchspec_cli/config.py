@@ -1,6 +1,6 @@
 """The settings of one `generate` job: `GenerateConfig`, what each setting means outside it
-(fingerprint, output metadata, its flag), their validation, and the per-row overrides read
-from input columns.
+(fingerprint, output metadata, its flag), and their validation (the per-row overrides read from input columns are
+inputs.row_overrides).
 
 Nothing here loads a model or touches a file but the input table it is given: `job.Generation`
 turns a validated config into a run.
@@ -13,15 +13,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import constraints
-from . import io as bio
-from . import logprobs as lp
-from . import sources
-from .constraints import Constraint
-from .engine import MODES
+from .errors import one_line
 
+# The values a setting may take (the modules that act on them import them from here).
+MODES = ("auto", "ar", "eqspec", "exspec")  # --mode (engine.py)
 KERNELS = ("auto", "stock", "packed")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+INPUT_FORMATS = ("auto", "table", "openai")  # table: rows with a prompt column; openai: OpenAI Batch requests
+OUTPUT_FORMATS = ("auto", "parquet", "openai")
+LOGPROBS_MODES = ("raw", "processed")  # --logprobs-mode (logprobs.py)
+MAX_TOP_LOGPROBS = 20  # alternatives per token at most (as OpenAI's top_logprobs)
 
 
 class UsageError(Exception):
@@ -30,7 +31,7 @@ class UsageError(Exception):
 
 def os_error_message(exc: OSError) -> str:
     """An error of the machine (a full disk, a read-only filesystem) as one line naming the file."""
-    return f"{exc.filename or 'a file'}: {exc.strerror or bio.one_line(exc)}"
+    return f"{exc.filename or 'a file'}: {exc.strerror or one_line(exc)}"
 
 
 def setting(default=dataclasses.MISSING, *, fingerprint: bool = False, metadata: bool = False,
@@ -191,15 +192,15 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.mode in MODES, f"--mode must be one of {', '.join(MODES)}, got {cfg.mode!r}"),
         (cfg.kernels in KERNELS, f"--kernels must be one of {', '.join(KERNELS)}, got {cfg.kernels!r}"),
         (cfg.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
-        (cfg.input_format in sources.INPUT_FORMATS,
-         f"--input-format must be one of {', '.join(sources.INPUT_FORMATS)}, got {cfg.input_format!r}"),
-        (cfg.output_format in sources.OUTPUT_FORMATS,
-         f"--output-format must be one of {', '.join(sources.OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
+        (cfg.input_format in INPUT_FORMATS,
+         f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got {cfg.input_format!r}"),
+        (cfg.output_format in OUTPUT_FORMATS,
+         f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got {cfg.output_format!r}"),
         (math.isfinite(cfg.temperature) and cfg.temperature >= 0,
          f"--temperature must be a finite number >= 0, got {cfg.temperature}"),
-        (cfg.logprobs is None or 0 <= cfg.logprobs <= lp.MAX_TOP,
-         f"--logprobs must be between 0 and {lp.MAX_TOP}, got {cfg.logprobs}"),
-        (cfg.logprobs_mode in lp.MODES, f"--logprobs-mode must be one of {', '.join(lp.MODES)}, "
+        (cfg.logprobs is None or 0 <= cfg.logprobs <= MAX_TOP_LOGPROBS,
+         f"--logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {cfg.logprobs}"),
+        (cfg.logprobs_mode in LOGPROBS_MODES, f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, "
                                         f"got {cfg.logprobs_mode!r}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
@@ -220,75 +221,3 @@ def tokenizer_settings(cfg: GenerateConfig, target_name: str) -> dict:
     """What determines the prompt token ids (the bucket directory's settings)."""
     return {"target": target_name, "chat": cfg.chat, "system": cfg.system, "prompt_column": cfg.prompt_column,
             "id_column": cfg.id_column}
-
-
-def row_value(values: list | None, row: int, default):
-    """A per-row override's value for ``row`` (``row_overrides``), or ``default`` where it has none."""
-    if values is None or values[row] is None:
-        return default
-    return values[row]
-
-
-OVERRIDES = {  # name -> (config attribute naming the column, type, smallest value, flag)
-    "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
-    "seed": ("seed_column", int, None, "--seed-column"),
-    "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
-    "top_p": ("top_p_column", float, 0.0, "--top-p-column"),  # in (0, 1]: 0 itself is refused below
-    "logprobs": ("logprobs_column", int, 0, "--logprobs-column"),
-}
-LARGEST = {"logprobs": lp.MAX_TOP}  # overrides with an upper bound
-
-
-def row_overrides(table, cfg: GenerateConfig) -> dict[str, list]:
-    """Per-row temperature / seed / max_new_tokens / top_p / stop strings from input columns; InputError on a bad
-    cell."""
-    out = {}
-    for name, (attr, kind, smallest, flag) in OVERRIDES.items():
-        column = getattr(cfg, attr)
-        if column is None:
-            continue
-        if column not in table.column_names:
-            raise bio.InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
-        values = []
-        for i, value in enumerate(table.column(column).to_pylist()):
-            if value is None or (isinstance(value, float) and value != value):
-                values.append(None)
-                continue
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if ok and kind is int:
-                ok = float(value).is_integer()
-            largest = LARGEST.get(name)
-            if not ok or (smallest is not None and value < smallest) or (largest is not None and value > largest) \
-                    or (name == "top_p" and not 0 < value <= 1):
-                bound = (" in (0, 1]" if name == "top_p" else
-                         f"{'' if smallest is None else f' >= {smallest:g}'}{'' if largest is None else f' and <= {largest:g}'}")
-                raise bio.InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
-                                     f"{'a number' if kind is float else 'an integer'}{bound}, got {value!r}")
-            values.append(kind(value))
-        out[name] = values
-    if cfg.stop_column is not None:
-        out["stop"] = stop_cells(table, cfg.stop_column, cfg.input)
-    if cfg.response_format_column is not None:
-        out["response_format"] = response_format_cells(table, cfg.response_format_column, cfg.input)
-    return out
-
-
-def response_format_cells(table, column: str, source) -> list[Constraint | None]:
-    """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
-    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
-    if column not in table.column_names:
-        raise bio.InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
-                             f"input")
-    out = []
-    for value in table.column(column).to_pylist():
-        if value is None:
-            out.append(None)
-            continue
-        try:
-            constraint = constraints.from_response_format(value)
-            error = constraints.problem(constraint) if constraint is not None else None
-        except constraints.ConstraintError as exc:
-            error = str(exc)
-        out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)
-    return out
-

@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from .errors import one_line
+
 
 KINDS = ("json_schema", "json", "regex", "choice")
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -143,6 +145,11 @@ def _without_nulls(value):
     return value
 
 
+def _invalid(constraint: Constraint, error) -> str:
+    """One line: what kind of constraint cannot be used, and llguidance's reason (an exception or its text)."""
+    return f"invalid {constraint.kind.replace('_', ' ')}: {one_line(error)}"
+
+
 def problem(constraint: Constraint) -> str | None:
     """What is wrong with a constraint (an invalid schema or regex, an unsupported keyword), or None."""
     if constraint.error is not None:
@@ -154,7 +161,7 @@ def problem(constraint: Constraint) -> str | None:
     except ValueError as exc:
         message = str(exc)
     if message:
-        return f"invalid {constraint.kind.replace('_', ' ')}: {' '.join(message.split())}"
+        return _invalid(constraint, message)
     return None
 
 
@@ -199,9 +206,9 @@ class Guide:
         try:
             matcher = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
         except ValueError as exc:
-            return f"invalid {constraint.kind.replace('_', ' ')}: {' '.join(str(exc).split())}"
+            return _invalid(constraint, exc)
         if matcher.is_error():
-            return f"invalid {constraint.kind.replace('_', ' ')}: {' '.join(matcher.get_error().split())}"
+            return _invalid(constraint, matcher.get_error())
         self.matchers[row] = matcher
         return None
 

@@ -11,7 +11,7 @@ Three kinds of DATASET (``kind`` tells them apart; an existing file is never one
   once: with ``HF_HUB_OFFLINE=1`` only the local cache is read; otherwise one bounded TCP connect
   to the hub decides whether to try it.
 
-The rows become the same pyarrow table a file would give (``io.table_input`` then checks the
+The rows become the same pyarrow table a file would give (``inputs.table_input`` then checks the
 prompt and id columns as for a file), so rendering, per-row columns and the output are shared.
 The resume fingerprint's input hash is the sha256 of the data files for ``saved`` and ``glob``
 and the dataset's own ``_fingerprint`` for ``hub``: a changed dataset is refused on resume.
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from . import io as bio
 from .checkpoint import hash_files
+from .errors import InputError, one_line
+from .inputs import InputTable, table_input
 
 DEFAULT_SPLIT = "train"
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",
@@ -53,10 +54,10 @@ def kind(path) -> str | None:
 
 
 def read(spec: str, kind: str, split: str, config: str | None, prompt_column: str, id_column: str,
-         limit: int | None) -> tuple[bio.InputTable, str]:
+         limit: int | None) -> tuple[InputTable, str]:
     """The dataset's rows as an InputTable, and its input hash; InputError with a one-line message."""
     if kind != "hub" and config is not None:
-        raise bio.InputError(f"{spec}: --config applies to a hub dataset")
+        raise InputError(f"{spec}: --config applies to a hub dataset")
     import datasets
 
     with _quiet(datasets):
@@ -65,18 +66,18 @@ def read(spec: str, kind: str, split: str, config: str | None, prompt_column: st
             if isinstance(loaded, datasets.DatasetDict):
                 loaded = _pick_split(spec, loaded, split)
             elif split != DEFAULT_SPLIT:
-                raise bio.InputError(f"{spec}: a single Dataset, without splits; --split {split} does not apply")
+                raise InputError(f"{spec}: a single Dataset, without splits; --split {split} does not apply")
             files = [Path(f["filename"]) for f in loaded.cache_files]
             digest = hash_files(sorted(files))
         elif kind == "glob":
             files = sorted(Path(f) for f in globbing.glob(spec, recursive=True) if Path(f).is_file())
             if not files:
-                raise bio.InputError(f"{spec}: no files match")
+                raise InputError(f"{spec}: no files match")
             builders = {BUILDERS.get(f.suffix.lower()) for f in files}
             if len(builders) != 1 or None in builders:
-                raise bio.InputError(f"{spec}: the files must all be JSON lines, all Parquet or all CSV "
-                                     f"(.jsonl/.json/.ndjson, .parquet/.pq, .csv); matched "
-                                     f"{', '.join(sorted({f.suffix or '(no suffix)' for f in files}))}")
+                raise InputError(f"{spec}: the files must all be JSON lines, all Parquet or all CSV "
+                                 f"(.jsonl/.json/.ndjson, .parquet/.pq, .csv); matched "
+                                 f"{', '.join(sorted({f.suffix or '(no suffix)' for f in files}))}")
             loaded = _load(spec, datasets.load_dataset, builders.pop(), data_files=[str(f) for f in files])
             loaded = _pick_split(spec, loaded, split)
             digest = hash_files(files)
@@ -86,19 +87,19 @@ def read(spec: str, kind: str, split: str, config: str | None, prompt_column: st
         if limit is not None:
             loaded = loaded.select(range(min(limit, len(loaded))))
         table = loaded.with_format("arrow")[:] if len(loaded) else loaded.features.arrow_schema.empty_table()
-    return bio.table_input(Path(spec), _plain_table(table), prompt_column, id_column), digest
+    return table_input(Path(spec), _plain_table(table), prompt_column, id_column), digest
 
 
 def _load(spec: str, load, *args, **kwargs):
     try:
         return load(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (FileNotFoundError, DatasetGenerationError...)
-        raise bio.InputError(f"{spec}: cannot load the dataset ({bio.one_line(exc)})") from None
+        raise InputError(f"{spec}: cannot load the dataset ({one_line(exc)})") from None
 
 
 def _pick_split(spec: str, loaded, split: str):
     if split not in loaded:
-        raise bio.InputError(f"{spec}: no split {split!r}; splits are: {', '.join(repr(s) for s in loaded)}")
+        raise InputError(f"{spec}: no split {split!r}; splits are: {', '.join(repr(s) for s in loaded)}")
     return loaded[split]
 
 
@@ -108,18 +109,18 @@ def _load_hub(datasets, spec: str, config: str | None, split: str):
     cache = datasets.config.HF_DATASETS_CACHE
     offline = _hub_offline() or bool(datasets.config.HF_HUB_OFFLINE)
     if not offline and not _hub_reachable():
-        raise bio.InputError(f"{spec}: no such file or directory, and the Hugging Face hub is unreachable; to read "
-                             f"a dataset from the local cache ({cache}) set HF_HUB_OFFLINE=1")
+        raise InputError(f"{spec}: no such file or directory, and the Hugging Face hub is unreachable; to read "
+                         f"a dataset from the local cache ({cache}) set HF_HUB_OFFLINE=1")
     try:
         return datasets.load_dataset(spec, config, split=split)
     except Exception as exc:  # noqa: BLE001 - connection, missing config, missing dataset, unknown split...
         if isinstance(exc, ValueError) and "Unknown split" in str(exc):  # datasets names the splits there are
-            raise bio.InputError(f"{spec}: no split {split!r} ({bio.one_line(exc)})") from None
+            raise InputError(f"{spec}: no split {split!r} ({one_line(exc)})") from None
         where = (f"not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set" if offline
                  else f"cannot load it from the Hugging Face hub (offline, set HF_HUB_OFFLINE=1 to read the local "
                       f"cache, {cache})")
-        raise bio.InputError(f"{spec}: no such file or directory; as a hub dataset: {where}: "
-                             f"{bio.one_line(exc, 200)}") from None
+        raise InputError(f"{spec}: no such file or directory; as a hub dataset: {where}: "
+                         f"{one_line(exc, 200)}") from None
 
 
 def _plain_table(table: pa.Table) -> pa.Table:

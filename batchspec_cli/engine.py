@@ -50,6 +50,7 @@ import torch
 from . import drafters as drafting
 from . import sampling
 from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
+from .config import MODES
 from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
@@ -59,7 +60,6 @@ from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .stops import StopChecker
 
-MODES = ("auto", "ar", "eqspec", "exspec")
 _RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns

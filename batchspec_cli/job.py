@@ -34,15 +34,17 @@ from buckets import BucketError, iter_bucket_rows
 from . import __version__
 from . import constraints
 from . import drafters
-from . import io as bio
 from . import logprobs as lp
 from . import models
 from . import openai_batch
+from . import outputs
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
-from .config import GenerateConfig, UsageError, os_error_message, row_value, settings_record, validate
+from .config import GenerateConfig, UsageError, os_error_message, settings_record, validate
 from .engine import Engine, EngineConfig, ModelHandle, pool_window
+from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
+from .inputs import row_value
 from .plan import JobPlan, plan_job
 from .stops import StopStrings
 
@@ -187,7 +189,7 @@ class Generation:
                 raise UsageError(f"{cfg.output} is being written by another batchspec run"
                                  f"{f' (pid {exc.pid})' if exc.pid else ''}; wait for it to finish, or remove "
                                  f"{work.lock_path} if it is not running") from None
-            except (bio.InputError, models.ModelError, BucketError, CheckpointError) as exc:
+            except (InputError, models.ModelError, BucketError, CheckpointError) as exc:
                 raise UsageError(str(exc)) from None
             except OSError as exc:  # a full disk while writing the lock, the buckets or the first part
                 raise UsageError(os_error_message(exc)) from None
@@ -344,8 +346,8 @@ class Generation:
             openai_batch.write_output(cfg.output, plan.inp, results, self.texts(results), plan.tokenizer,
                                       model=plan.target_name, chat=cfg.chat, salt=plan.input_hash)
         else:
-            bio.write_completions(cfg.output, plan.inp, results, self.texts(results), meta, token_text)
-        bio.write_stats(plan.stats_path, self.stats, meta)
+            outputs.write_completions(cfg.output, plan.inp, results, self.texts(results), meta, token_text)
+        outputs.write_stats(plan.stats_path, self.stats, meta)
         self.work.remove()
         errors = [r for r in results if r.finish_reason == "error"]
         return {

@@ -33,10 +33,9 @@ import torch
 
 from . import sampling
 from .align import device_tensor
+from .config import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from .events import Request, TokenLogprob
 
-MODES = ("raw", "processed")
-MAX_TOP = 20  # alternatives per token at most (as OpenAI's top_logprobs)
 DESCRIPTIONS = {
     "raw": "log-softmax of the target's raw logits (before temperature, top-k and top-p)",
     "processed": "log-softmax of the logits after temperature, top-k and top-p (greedy rows: raw)",
@@ -111,7 +110,7 @@ class Recorder:
     """Collects the log-probabilities of the rows that asked, by input row, as their tokens are committed."""
 
     def __init__(self, mode: str, device: torch.device):
-        if mode not in MODES:
+        if mode not in LOGPROBS_MODES:
             raise ValueError(f"unknown logprobs mode {mode!r}")
         self.mode, self.device = mode, device
         self.rows: dict[int, tuple[int, list[TokenLogprob]]] = {}  # row -> (N, entries so far)
@@ -119,7 +118,7 @@ class Recorder:
     def admit(self, requests: list[Request]) -> None:
         for req in requests:
             if req.logprobs is not None:
-                self.rows[req.row] = (min(req.logprobs, MAX_TOP), [])
+                self.rows[req.row] = (min(req.logprobs, MAX_TOP_LOGPROBS), [])
 
     def pop(self, row: int) -> list[TokenLogprob] | None:
         entry = self.rows.pop(row, None)

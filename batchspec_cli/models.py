@@ -46,7 +46,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from .io import one_line
+from .errors import one_line
 
 
 class ModelError(Exception):

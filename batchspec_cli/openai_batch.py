@@ -5,7 +5,7 @@ Input: a JSONL file, one request per line::
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0.7, "stop": ["\\n\\n"]}}
 
-``read_batch`` turns it into the same ``io.InputTable`` as any input: ``custom_id`` is the row
+``read_batch`` turns it into the same ``inputs.InputTable`` as any input: ``custom_id`` is the row
 id; the body's settings become per-row values (``InputTable.overrides``, as the per-row
 columns of a table give them), so a row runs exactly as the same row of a Parquet file with
 per-row columns would. A field a body leaves out (or sets to null) takes the command's flag
@@ -50,8 +50,10 @@ import pyarrow as pa
 
 from . import __version__
 from . import constraints
-from . import io as bio
+from .errors import InputError
 from .events import RowResult, TokenLogprob
+from .files import check_readable_file, write_text_atomic
+from .inputs import JSONL_SUFFIXES, InputTable, Prompt, check_unique, parse_messages, read_jsonl
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -74,7 +76,7 @@ class RequestError(Exception):
 def is_batch_file(path: Path) -> bool:
     """A JSONL file whose first non-blank line is an object with ``custom_id`` and ``body``."""
     path = Path(path)
-    if path.suffix.lower() not in bio.JSONL_SUFFIXES or not path.is_file():
+    if path.suffix.lower() not in JSONL_SUFFIXES or not path.is_file():
         return False
     try:
         with open(path, "rb") as f:
@@ -87,7 +89,7 @@ def is_batch_file(path: Path) -> bool:
     return False
 
 
-def read_for_job(cfg) -> bio.InputTable:
+def read_for_job(cfg) -> InputTable:
     """read_batch for a `generate` job (``cfg``: config.GenerateConfig); the table-only flags are refused."""
     column_flags = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(cfg)
                     if f.name.endswith("_column") and f.name not in ("prompt_column", "id_column")
@@ -97,27 +99,27 @@ def read_for_job(cfg) -> bio.InputTable:
     if cfg.id_column != "id":
         column_flags.append("--id-column")
     if column_flags:
-        raise bio.InputError(f"{cfg.input}: an OpenAI batch file sets each row from its request body; "
-                             f"{', '.join(column_flags)} apply to tables of prompts")
+        raise InputError(f"{cfg.input}: an OpenAI batch file sets each row from its request body; "
+                         f"{', '.join(column_flags)} apply to tables of prompts")
     return read_batch(cfg.input, cfg.limit)
 
 
-def read_batch(path: Path, limit: int | None = None) -> bio.InputTable:
+def read_batch(path: Path, limit: int | None = None) -> InputTable:
     """The requests of an OpenAI batch file as an InputTable (see the module docstring)."""
     path = Path(path)
     if limit is not None and limit < 1:
-        raise bio.InputError(f"{path}: --limit must be at least 1 (got {limit})")
-    bio._check_readable_file(path)
-    _, lines, where = bio._read_jsonl(path, limit)  # the file reader's own line checks
+        raise InputError(f"{path}: --limit must be at least 1 (got {limit})")
+    check_readable_file(path)
+    _, lines, where = read_jsonl(path, limit)  # the file reader's own line checks
     if not lines:
-        raise bio.InputError(f"{path}: no rows")
+        raise InputError(f"{path}: no rows")
     ids, prompts, endpoints, errors = [], [], [], {}
     settings: dict[str, list] = {name: [] for name in ("max_new_tokens", "temperature", "top_p", "seed", "stop",
                                                        "logprobs", "response_format")}
     for row, (line, at) in enumerate(zip(lines, where)):
         custom_id = line.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            raise bio.InputError(f"{path}: {at}: 'custom_id' must be a non-empty string, got {custom_id!r}")
+            raise InputError(f"{path}: {at}: 'custom_id' must be a non-empty string, got {custom_id!r}")
         ids.append(custom_id)
         url = line.get("url")
         endpoints.append(url if url in (CHAT, COMPLETIONS) else CHAT)
@@ -129,7 +131,7 @@ def read_batch(path: Path, limit: int | None = None) -> bio.InputTable:
         prompts.append(prompt)
         for name, column in settings.items():
             column.append(values.get(name))
-    bio._check_unique(ids, path, "custom_id")
+    check_unique(ids, path, "custom_id")
     body = [line.get("body") for line in lines]
     table = pa.table({
         "custom_id": pa.array(ids, type=pa.string()),
@@ -139,11 +141,11 @@ def read_batch(path: Path, limit: int | None = None) -> bio.InputTable:
                            for b in body], type=pa.string()),
         "body": pa.array([json.dumps(b, ensure_ascii=False) for b in body], type=pa.string()),
     })
-    return bio.InputTable(path=path, table=table, prompts=prompts, ids=ids, overrides=settings, errors=errors,
-                          endpoints=endpoints)
+    return InputTable(path=path, table=table, prompts=prompts, ids=ids, overrides=settings, errors=errors,
+                      endpoints=endpoints)
 
 
-def parse_request(line: dict) -> tuple[bio.Prompt, dict[str, Any]]:
+def parse_request(line: dict) -> tuple[Prompt, dict[str, Any]]:
     """(prompt, per-row settings) of one request line; RequestError naming what is not supported."""
     _refuse_unknown("line", set(line) - LINE_FIELDS)
     if line.get("method") != "POST":
@@ -277,8 +279,8 @@ def _messages(messages) -> list[dict]:
         role = "system" if message.get("role") == "developer" else message.get("role")
         out.append({**message, "role": role, "content": content})
     try:
-        return bio._parse_messages(out, "'messages'")
-    except bio.InputError as exc:
+        return parse_messages(out, "'messages'")
+    except InputError as exc:
         raise RequestError(str(exc)) from None
 
 
@@ -292,7 +294,7 @@ def _prompt_text(prompt) -> str:
     return prompt
 
 
-def model_notes(inp: bio.InputTable, running: str) -> list[str]:
+def model_notes(inp: InputTable, running: str) -> list[str]:
     """A note for the user when the requests name models: they are recorded, ``running`` answers them."""
     if inp.endpoints is None:
         return []
@@ -304,7 +306,7 @@ def model_notes(inp: bio.InputTable, running: str) -> list[str]:
             f"{running} (--target) answers every request"]
 
 
-def is_text_completion(inp: bio.InputTable, row: int) -> bool:
+def is_text_completion(inp: InputTable, row: int) -> bool:
     """Is this row a /v1/completions request (a raw prompt, rendered without the chat template)?"""
     return inp.endpoints is not None and inp.endpoints[row] == COMPLETIONS
 
@@ -315,7 +317,7 @@ def is_text_completion(inp: bio.InputTable, row: int) -> bool:
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length"}
 
 
-def output_lines(inp: bio.InputTable, results: list[RowResult], texts: list[str], tokenizer, model: str,
+def output_lines(inp: InputTable, results: list[RowResult], texts: list[str], tokenizer, model: str,
                  chat: bool, salt: str, created: int | None = None) -> list[dict]:
     """One OpenAI Batch output object per row, in row order (``results`` sorted by row, ``texts`` aligned).
 
@@ -351,11 +353,11 @@ def output_lines(inp: bio.InputTable, results: list[RowResult], texts: list[str]
     return lines
 
 
-def write_output(path: Path, inp: bio.InputTable, results: list[RowResult], texts: list[str], tokenizer,
+def write_output(path: Path, inp: InputTable, results: list[RowResult], texts: list[str], tokenizer,
                  model: str, chat: bool, salt: str) -> None:
     """The OpenAI Batch output file, written atomically (temp file, fsync, rename) like the Parquet one."""
     lines = output_lines(inp, results, texts, tokenizer, model, chat, salt)
-    bio.write_text_atomic(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    write_text_atomic(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
 
 
 def _token(tokenizer, token_id: int) -> str:

@@ -19,15 +19,17 @@ from buckets import BucketError, Manifest, build_buckets, is_bucket_dir, open_bu
 
 from . import constraints
 from . import drafters
-from . import io as bio
 from . import models
 from . import openai_batch
 from . import sources
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, row_overrides, settings_record,
-                     tokenizer_settings)
+from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
 from .constraints import Constraint
+from .errors import InputError
 from .events import RowResult, StepStats
+from .files import check_distinct, check_output_path, check_writable, remove_stale_temps
+from .inputs import InputTable, row_overrides
+from .outputs import stats_path_for
 from .prompts import render_prompts
 
 PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
@@ -39,9 +41,9 @@ class JobPlan:
 
     stats_path: Path
     output_format: str  # parquet | openai (sources.output_format)
-    inp: bio.InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
+    inp: InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
     input_hash: str
-    overrides: dict[str, list]  # setting -> [rows] value or None (config.row_overrides and the input's own)
+    overrides: dict[str, list]  # setting -> [rows] value or None (inputs.row_overrides and the input's own)
     wants_logprobs: bool  # any row asks for log-probabilities (--logprobs, --logprobs-column, an OpenAI request)
     mode: str  # the mode run: --mode, or ar when nothing can draft
     target_name: str
@@ -87,15 +89,15 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     """Check the output, take the lock, read the input, load the models, then resume this job's saved
     work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided once."""
     constraint = job_constraint(cfg)  # a bad schema or regex is refused before anything is read
-    bio.check_output_path(cfg.output, overwrite=True)
-    stats_path = cfg.stats or bio.stats_path_for(cfg.output)
-    bio.check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
-    bio.check_writable(stats_path)
+    check_output_path(cfg.output, overwrite=True)
+    stats_path = cfg.stats or stats_path_for(cfg.output)
+    check_distinct([cfg.input], [("OUT", cfg.output), ("--stats", stats_path)])
+    check_writable(stats_path)
 
     # One writer per output: the lock, before anything is read or written.
     work.lock()
     for path in (cfg.output, stats_path):  # what a process killed while writing them left
-        bio.remove_stale_temps(path)
+        remove_stale_temps(path)
     saved_job = None  # the job.json of an interrupted run
     try:
         saved_job = work.read_job()
@@ -230,7 +232,7 @@ def _drafters(cfg: GenerateConfig, constrained: bool = False) -> tuple[str | Non
 
 
 def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
-                     target: models.LoadedModel) -> tuple[bio.InputTable, dict[str, list]]:
+                     target: models.LoadedModel) -> tuple[InputTable, dict[str, list]]:
     """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
     settings = tokenizer_settings(cfg, target_name)
     mismatched = {key: (manifest.settings.get(key), value) for key, value in settings.items()
@@ -247,7 +249,7 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
     table = table.drop_columns([c for c in ("__row", "__prompt_ids") if c in table.column_names])
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
-    return bio.InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
+    return InputTable(path=cfg.input, table=table, prompts=[], ids=ids), row_overrides(table, cfg)
 
 
 def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
@@ -312,8 +314,8 @@ def check_token_ids(prompt_ids, vocab_size: int, where: Path) -> None:
     low, high = bounds["min"].as_py(), bounds["max"].as_py()
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise bio.InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
-                             f"was the bucket directory made for another model?")
+        raise InputError(f"{where}: token id {bad} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                         f"was the bucket directory made for another model?")
 
 
 def use_kernels(name: str, *loaded: models.LoadedModel | None) -> tuple[str, list[str]]:

@@ -1,12 +1,12 @@
 """Where a job's prompts come from: a prompts file, a Hugging Face dataset or an OpenAI batch file.
 
-``read(cfg)`` gives every kind as the same ``io.InputTable`` (one pyarrow table, the prompts,
+``read(cfg)`` gives every kind as the same ``inputs.InputTable`` (one pyarrow table, the prompts,
 the ids, and for an OpenAI batch the per-row settings of each request) plus the *input hash*
 that the resume fingerprint keeps, so everything downstream (rendering, buckets, per-row
 columns, resume, the output files) is shared::
 
     INPUT                                   READ BY                          INPUT HASH
-    prompts.jsonl / prompts.parquet         io.read_input                    sha256 of the file
+    prompts.jsonl / prompts.parquet         inputs.read_input                sha256 of the file
     an OpenAI batch .jsonl (its lines have  openai_batch.read_batch          sha256 of the file
       custom_id and body; --input-format openai)
     a Dataset(Dict).save_to_disk directory  datasets.load_from_disk          sha256 of its data files
@@ -22,27 +22,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import datasets_input
-from . import io as bio
 from . import openai_batch
 from .checkpoint import hash_files
+from .errors import InputError
+from .inputs import InputTable, read_input
 
-INPUT_FORMATS = ("auto", "table", "openai")  # table: rows with a prompt column; openai: OpenAI Batch requests
-OUTPUT_FORMATS = ("auto", "parquet", "openai")
 
 
-def read(cfg) -> tuple[bio.InputTable, str]:
+def read(cfg) -> tuple[InputTable, str]:
     """The job's input (``cfg``: a config.GenerateConfig) and its hash; InputError with a one-line message."""
     kind = datasets_input.kind(cfg.input)
     if kind is None:  # a file path (existing or not): the file readers
         if cfg.split != datasets_input.DEFAULT_SPLIT or cfg.dataset_config is not None:
-            raise bio.InputError(f"{cfg.input}: --split and --config apply to Hugging Face datasets, not to a file")
+            raise InputError(f"{cfg.input}: --split and --config apply to Hugging Face datasets, not to a file")
         if cfg.input_format == "openai" or (cfg.input_format == "auto" and openai_batch.is_batch_file(cfg.input)):
             inp = openai_batch.read_for_job(cfg)
         else:
-            inp = bio.read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
+            inp = read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
         return inp, hash_files([cfg.input])
     if cfg.input_format == "openai":
-        raise bio.InputError(f"{cfg.input}: --input-format openai reads one .jsonl file of OpenAI Batch requests")
+        raise InputError(f"{cfg.input}: --input-format openai reads one .jsonl file of OpenAI Batch requests")
     return datasets_input.read(str(cfg.input), kind, split=cfg.split, config=cfg.dataset_config,
                                prompt_column=cfg.prompt_column, id_column=cfg.id_column, limit=cfg.limit)
 
@@ -58,7 +57,7 @@ def output_format(cfg) -> str:
     if cfg.output_format == "auto":
         return "openai" if jsonl else "parquet"
     if cfg.output_format == "openai" and not jsonl:
-        raise bio.InputError(f"{cfg.output}: --output-format openai writes JSON lines: give an OUT ending in .jsonl")
+        raise InputError(f"{cfg.output}: --output-format openai writes JSON lines: give an OUT ending in .jsonl")
     if cfg.output_format == "parquet" and jsonl:
-        raise bio.InputError(f"{cfg.output}: --output-format parquet writes Parquet: give an OUT ending in .parquet")
+        raise InputError(f"{cfg.output}: --output-format parquet writes Parquet: give an OUT ending in .parquet")
     return cfg.output_format

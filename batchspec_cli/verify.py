@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from . import io as bio
 from . import models
 from . import sampling
+from .errors import InputError
+from .inputs import parse_prompt, read_completions, read_run_metadata
+from .prompts import render_prompt
 
 DEFAULT_TOLERANCE = 1e-3
 
@@ -66,12 +68,12 @@ def _model_spec(meta: dict, key: str) -> str | None:
 def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
                device: str = "auto", dtype: str | None = None, progress=None) -> VerifyReport:
     """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
-    meta = bio.read_run_metadata(path)
-    table = bio.read_completions(path)
+    meta = read_run_metadata(path)
+    table = read_completions(path)
     missing = [c for c in ("id", "completion_token_ids", "finish_reason") if c not in table.column_names]
     if missing:
-        raise bio.InputError(f"{path}: not a batchspec completions file (no column {', '.join(map(repr, missing))}"
-                             f"{'; it looks like a statistics file' if 'group_kind' in table.column_names else ''})")
+        raise InputError(f"{path}: not a batchspec completions file (no column {', '.join(map(repr, missing))}"
+                         f"{'; it looks like a statistics file' if 'group_kind' in table.column_names else ''})")
     loaded = models.load_model(_model_spec(meta, "target"), dtype or meta.get("dtype", "auto"), device, quiet=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
@@ -82,12 +84,12 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         candidates = sorted(random.Random(seed).sample(candidates, sample))
     prompt_column = meta.get("prompt_column", "prompt")
     if prompt_column not in table.column_names:
-        raise bio.InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
+        raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance)
     for i in candidates:
         r = rows[i]
-        prompt = bio.parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
-        prompt_ids = bio.render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
+        prompt = parse_prompt(r[prompt_column], path, f"row {i + 1}", prompt_column)
+        prompt_ids = render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"))
         run = list(r["completion_token_ids"])
         noise = _noise_for(meta, r, len(prompt_ids), model.device)
         mask = _mask_for(meta, r, tokenizer, eos, model.config.vocab_size, len(prompt_ids))

@@ -65,7 +65,7 @@ from batchspec_cli import drafters, models  # noqa: E402
 from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
-from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.prompts import render_prompt  # noqa: E402
 from batchspec_cli.plan import use_kernels  # noqa: E402
 from batchspec_cli.stats import acceptance_length  # noqa: E402
 from buckets import plan_buckets  # noqa: E402

@@ -45,7 +45,7 @@ from batchspec_cli.align import attention_inputs  # noqa: E402
 from batchspec_cli.logprobs import Recorder  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult  # noqa: E402
-from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.prompts import render_prompt  # noqa: E402
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 
 

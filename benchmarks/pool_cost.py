@@ -36,7 +36,7 @@ from batchspec_cli import align, grouping, models, pool  # noqa: E402
 from batchspec_cli.align import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
-from batchspec_cli.io import render_prompt  # noqa: E402
+from batchspec_cli.prompts import render_prompt  # noqa: E402
 from batchspec_cli.plan import use_kernels  # noqa: E402
 
 TIMED = [(align.SlotCache, "_resize"), (align.SlotCache, "_allocate"), (pool, "realign"),

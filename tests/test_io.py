@@ -1,4 +1,4 @@
-"""Input reading, prompt rendering and output writing (batchspec_cli/io.py)."""
+"""Input reading, prompt rendering and output writing (batchspec_cli/inputs.py, prompts.py, outputs.py, files.py)."""
 
 from __future__ import annotations
 
@@ -16,20 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchspec_cli import io as bio
+from batchspec_cli import files, inputs
 from batchspec_cli.events import RowResult, StepStats
-from batchspec_cli.io import (
-    OUTPUT_COLUMNS,
-    InputError,
-    check_output_path,
-    read_completions,
-    read_input,
-    read_run_metadata,
-    render_prompt,
-    stats_path_for,
-    write_completions,
-    write_stats,
-)
+from batchspec_cli.errors import InputError
+from batchspec_cli.files import check_output_path
+from batchspec_cli.inputs import read_completions, read_input, read_run_metadata
+from batchspec_cli.outputs import (OUTPUT_COLUMNS, results_from_table, results_table, stats_from_table, stats_path_for,
+                                   stats_table, write_completions, write_stats)
+from batchspec_cli.prompts import render_prompt
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -109,7 +103,8 @@ def test_unreadable_file(tmp_path, monkeypatch, suffix):
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr(bio, "open", refuse, raising=False)
+        for module in (files, inputs):
+            monkeypatch.setattr(module, "open", refuse, raising=False)
     else:
         p.chmod(0)
     with raises_input_error(f"secret{suffix}", "permission denied"):
@@ -741,8 +736,8 @@ def test_results_and_stats_tables_round_trip():
     results = [RowResult(row=3, id="a", token_ids=[1, 2], finish_reason="error", error="boom", drafted_tokens=4,
                          accepted_tokens=2, rounds=1, prompt_tokens=9),
                RowResult(row=2**40, id="b", token_ids=[], finish_reason="stop")]
-    assert bio.results_from_table(bio.results_table(results)) == results
+    assert results_from_table(results_table(results)) == results
     stats = [StepStats(bucket=1, step=2, group_kind="realigned", batch_size=3, k=4, accepted=[1, 0, 4],
                        tokens_emitted=8, pad_before=2, pad_after=1, kv_moved=2**40, kv_gathered=5, draft_ms=1.5,
                        verify_ms=2.25, realign_ms=0.0, gather_ms=0.125, total_ms=4.0)]
-    assert bio.stats_from_table(bio.stats_table(stats)) == stats
+    assert stats_from_table(stats_table(stats)) == stats

@@ -12,7 +12,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchspec_cli import io as bio
+from batchspec_cli.inputs import read_run_metadata
+from batchspec_cli.outputs import LOGPROBS_TYPE, results_from_table, results_table
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult, TokenLogprob
@@ -73,7 +74,7 @@ def test_the_parquet_column_holds_each_tokens_logprob_and_top_n(tmp_path, prompt
     result = generate(prompts_jsonl, out, model_dirs, *LOGPROB_FLAGS, "--mode", "auto")
     assert result.exit_code == 0, result.output
     table = pq.read_table(out)
-    assert table.schema.field("completion_logprobs").type == bio.LOGPROBS_TYPE
+    assert table.schema.field("completion_logprobs").type == LOGPROBS_TYPE
     tok = reference_model.tokenizer
     for i, row in enumerate(table.to_pylist()):
         top = 2 if TOPS[i] is None else TOPS[i]
@@ -88,14 +89,14 @@ def test_the_parquet_column_holds_each_tokens_logprob_and_top_n(tmp_path, prompt
             assert all(math.isclose(t["logprob"], float(v), abs_tol=1e-10) for t, v in zip(entry["top_logprobs"],
                                                                                           values))
             assert [t["token"] for t in entry["top_logprobs"]] == [tok.decode([t]) for t in best.tolist()]
-    meta = bio.read_run_metadata(out)
+    meta = read_run_metadata(out)
     assert (meta["logprobs"], meta["logprobs_column"], meta["logprobs_mode"]) == (2, "lp", "raw")
     assert "raw logits" in meta["logprobs_distribution"]
 
     plain = tmp_path / "plain.parquet"
     assert generate(prompts_jsonl, plain, model_dirs, "--mode", "auto").exit_code == 0
     without = pq.read_table(plain)
-    assert "completion_logprobs" not in without.column_names and "logprobs_distribution" not in bio.read_run_metadata(plain)
+    assert "completion_logprobs" not in without.column_names and "logprobs_distribution" not in read_run_metadata(plain)
     assert without.column("completion_token_ids").to_pylist() == table.column("completion_token_ids").to_pylist()
 
 
@@ -112,7 +113,7 @@ def test_only_rows_that_ask_get_logprobs(tmp_path, prompts_jsonl, model_dirs):
             if not temperature:  # greedy rows: raw; the chosen token is the most probable
                 assert all(e["top_logprobs"][:1] in ([], [{k: e[k] for k in ("token", "token_id", "logprob")}])
                            for e in r["completion_logprobs"])
-    assert bio.read_run_metadata(out)["logprobs_mode"] == "processed"
+    assert read_run_metadata(out)["logprobs_mode"] == "processed"
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -143,7 +144,7 @@ def test_checkpoint_parts_keep_logprobs():
                                                          TokenLogprob(6, -3.0, [(2, -0.1), (6, -3.0)])]),
             RowResult(1, "b", [7], "stop", logprobs=None), RowResult(2, "c", [], "error", error="x"),
             RowResult(3, "d", [8], "stop", logprobs=[TokenLogprob(8, -1e-300, [])])]
-    assert bio.results_from_table(bio.results_table(rows)) == rows
+    assert results_from_table(results_table(rows)) == rows
 
 
 def test_resumed_rows_keep_their_logprobs_and_changed_logprobs_flags_are_refused(tmp_path, prompts_jsonl,

@@ -7,7 +7,8 @@ import json
 import pyarrow as pa
 from typer.testing import CliRunner
 
-from batchspec_cli import io as bio
+from batchspec_cli.inputs import InputTable
+from batchspec_cli.prompts import max_prompt_bytes, render_prompt
 from batchspec_cli.cli import app
 from batchspec_cli.prompts import render_prompts
 from conftest import make_tokenizer, save_tiny_model_dir
@@ -23,20 +24,20 @@ def strict_tokenizer():
     return tokenizer
 
 
-def an_input(prompts: list, errors: dict[int, str] | None = None) -> bio.InputTable:
+def an_input(prompts: list, errors: dict[int, str] | None = None) -> InputTable:
     ids = [str(i) for i in range(len(prompts))]
-    return bio.InputTable(path=None, table=pa.table({"id": ids}), prompts=prompts, ids=ids, errors=errors or {})
+    return InputTable(path=None, table=pa.table({"id": ids}), prompts=prompts, ids=ids, errors=errors or {})
 
 
 def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
     tokenizer = strict_tokenizer()
-    too_long = bio.max_prompt_bytes(tokenizer, 50) + 1  # bytes no 50 tokens can hold
+    too_long = max_prompt_bytes(tokenizer, 50) + 1  # bytes no 50 tokens can hold
     prompts = ["hello", [{"role": "tool", "content": "x"}], "x" * too_long, "refused", "bye"]
     rendered = render_prompts(an_input(prompts, {3: "refused by the batch file"}), tokenizer, True, "sys",
                               most_tokens=50, what="--max-prompt-tokens 50")
     assert [row for row, ids in enumerate(rendered.ids) if ids] == [0, 4]
     for row in (0, 4):
-        assert rendered.ids[row] == bio.render_prompt(tokenizer, prompts[row], True, "sys")
+        assert rendered.ids[row] == render_prompt(tokenizer, prompts[row], True, "sys")
     assert sorted(rendered.errors) == [1, 2, 3]
     assert rendered.errors[1] == "cannot render the prompt: tool messages are not supported"
     assert rendered.errors[2].startswith(f"prompt has {too_long} bytes, more than --max-prompt-tokens 50 can hold")

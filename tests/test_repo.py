@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from batchspec_cli import models
-from batchspec_cli.io import one_line
+from batchspec_cli.errors import one_line
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*ROOT.glob("batchspec_cli/*.py"), *ROOT.glob("buckets/*.py"), *ROOT.glob("scripts/*.py"),
@@ -17,10 +17,10 @@ SOURCES = sorted([*ROOT.glob("batchspec_cli/*.py"), *ROOT.glob("buckets/*.py"), 
 def test_one_line_is_defined_once_and_used_everywhere():
     defining = [p.relative_to(ROOT).as_posix() for p in SOURCES
                 if re.search(r"^def _?one_line\(", p.read_text(), re.M)]
-    assert defining == ["batchspec_cli/io.py"]
+    assert defining == ["batchspec_cli/errors.py"]
     inline = [p.name for p in SOURCES if '" ".join(str(exc).split())' in p.read_text() or
               "' '.join(str(exc).split())" in p.read_text()]
-    assert inline == ["io.py"]
+    assert inline == ["errors.py"]
     assert one_line(ValueError("a\n  b\tc")) == "a b c" and one_line(KeyError()) == "KeyError"
     assert len(one_line(ValueError("x" * 1000))) == 300
 

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli import io as bio
+from batchspec_cli import files, outputs
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult
@@ -174,13 +174,13 @@ def test_planted_temporary_file_link_is_never_written_through(tmp_path, job_dir,
     victim.write_text("keep me")
     planted = tmp_path / f".out.parquet.{os.getpid()}.deadbeef.tmp"
     planted.symlink_to(victim)
-    real, picked = bio.temp_path, []
+    real, picked = files.temp_path, []
 
     def first_pick_is_planted(target, kind="tmp"):
         picked.append(Path(target) == out and kind == "tmp" and not picked.count(True))
         return planted if picked[-1] else real(target, kind)
 
-    monkeypatch.setattr(bio, "temp_path", first_pick_is_planted)
+    monkeypatch.setattr(files, "temp_path", first_pick_is_planted)
     result = generate(inp, out, model)
     assert result.exit_code == 0, result.output
     assert any(picked) and victim.read_text() == "keep me" and planted.is_symlink() and rows(out) == reference
@@ -331,16 +331,16 @@ def test_sigterm_during_the_final_write(tmp_path, job_dir, model, monkeypatch, r
     """One SIGTERM while OUT is written lets it finish; a second stops at once, every row still saved."""
     inp, out = job_dir
     log = tmp_path / "log.jsonl"
-    real = bio.write_completions
+    real = outputs.write_completions
 
     def write_under_signals(*args, **kwargs):
         for _ in range(signals):
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bio, "write_completions", write_under_signals)
+    monkeypatch.setattr(outputs, "write_completions", write_under_signals)
     result = generate(inp, out, model, "--log-json", log)
-    monkeypatch.setattr(bio, "write_completions", real)
+    monkeypatch.setattr(outputs, "write_completions", real)
     assert "Traceback" not in result.output
     if signals == 1:
         assert result.exit_code == 0 and rows(out) == reference
@@ -491,7 +491,8 @@ def test_a_signal_while_the_models_load_stops_at_once_with_nothing_left(tmp_path
 
 def test_an_output_that_a_glob_input_matches_is_refused(tmp_path):
     """A dataset given as a glob reads every file it matches: OUT (or --stats) among them would destroy an input."""
-    from batchspec_cli.io import InputError, check_distinct
+    from batchspec_cli.errors import InputError
+    from batchspec_cli.files import check_distinct
 
     shards = tmp_path / "shards"
     shards.mkdir()

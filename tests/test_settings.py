@@ -83,7 +83,7 @@ def a_job(draft: bool) -> SimpleNamespace:
                          limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
                          seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
     model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
-    return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
+    return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
                            eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli import io as bio
+from batchspec_cli.outputs import write_stats
 from batchspec_cli.cli import app
 from batchspec_cli.events import StepStats
 from batchspec_cli.stats import acceptance_length, summarize, summarize_rows
@@ -37,7 +37,7 @@ def test_acceptance_length_counts_the_bonus_over_speculative_rounds_only():
 
 def test_stats_reports_how_long_each_arm_ran_and_what_its_windows_measured(tmp_path):
     path = tmp_path / "out.stats.parquet"
-    bio.write_stats(path, STEPS, {})
+    write_stats(path, STEPS, {})
     overall = summarize(path)[-1]
     assert overall.arms["plain"].rounds == 2 and overall.arms["plain"].seconds == pytest.approx(0.2)
     assert overall.arms["spec"].windows == [50.0] and overall.arms["plain"].windows == [40.0]
