@@ -1,11 +1,12 @@
-"""Alignment: the one module that owns row layout, masks, position ids and KV moves.
+"""Alignment: the one module that owns row layout and KV moves (``attention`` turns it into masks and position ids).
 
 Every sequence lives in a *slot* of a preallocated buffer. Its committed tokens are
 left-padded: slot ``s`` holds ``pad[s]`` pad columns, then its content, and its padded
 length (the column after its last committed token) is ``end[s]``. Everything else
 derives from these two per-slot integers:
 
-- the attention mask of a key column ``c`` is ``c >= pad`` (never inferred from token ids);
+- the attention mask of a key column ``c`` is ``c >= pad`` (never inferred from token ids; per layer type in
+  ``attention``);
 - the position id of column ``c`` is ``c - pad`` (= ``cumsum(mask) - 1``: no holes);
 - the target cache covers columns ``[0, end - 1)`` (every committed token but the last),
   the draft cache ``[0, end - 2)`` (it is always re-fed the last two committed tokens).
@@ -39,13 +40,9 @@ and the next round overwrites the stale columns after it.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .grouping import is_run
 
@@ -76,7 +73,7 @@ def selection(slots: list[int], device: torch.device) -> Selection:
 
 
 class SlotCache:
-    """KV cache with one row per slot: per layer ``[rows, kv_heads, capacity, head_dim]``.
+    """KV cache with one row per slot: per layer ``[rows, kv_heads, capacity, head_dim]`` (values: their own width).
 
     ``bind(rows_index, length)`` chooses the group and the column where the next forward writes;
     ``update`` (called by the model's attention layers) writes the new entries there and
@@ -116,7 +113,7 @@ class SlotCache:
         # key_states, value_states: [group, kv_heads, n_new, head_dim]
         n_new = key_states.shape[2]
         if layer_idx == len(self.keys):
-            self._allocate(key_states)
+            self._allocate(key_states, value_states)
         stop = self.length + n_new
         if stop > self.capacity:
             self.grow(stop)
@@ -135,11 +132,19 @@ class SlotCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(key length, first key column) of a forward of ``query_length`` tokens: every column up to its end."""
+        return self.length + query_length, 0
+
     # -- buffer management ------------------------------------------------------------
-    def _allocate(self, like: torch.Tensor) -> None:
-        shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
-        self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-        self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One layer's buffers, each shaped like its own tensor (keys and values may differ in width: MLA)."""
+        for buffers, like in ((self.keys, keys), (self.values, values)):
+            shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
+            buffers.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
 
     def grow(self, needed: int, rows: int = 0) -> None:
         """Hold at least ``needed`` columns and ``rows`` slots, all layers or none.
@@ -219,97 +224,6 @@ class Layout:
         for i, ids in enumerate(prompts):
             rows[i, end - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         self.tokens[slots, :end] = rows.to(self.tokens.device)
-
-
-def attention_inputs(pad: torch.Tensor, start: int, n_new: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Additive 4D mask and position ids for ``n_new`` tokens written at columns ``start..``.
-
-    pad: [group] left padding of each row (the group shares one column layout).
-    Returns mask [group, 1, n_new, start + n_new] (0 allowed, finfo.min masked) and
-    position_ids [group, n_new].
-    """
-    device = pad.device
-    cols = torch.arange(start + n_new, device=device)  # key columns
-    qcols = torch.arange(start, start + n_new, device=device)  # query columns
-    allowed = (cols[None, None, :] >= pad[:, None, None]) & (cols[None, None, :] <= qcols[None, :, None])
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    positions = (qcols[None, :] - pad[:, None]).clamp(min=0)
-    return mask[:, None], positions
-
-
-def group_forward(model, cache: SlotCache, cache_kwarg: str, rows_index: Selection, input_ids: torch.Tensor,
-                  pad: torch.Tensor, start: int, logits_to_keep: int = 0) -> torch.Tensor:
-    """One forward of a group over new tokens at columns ``start..``; returns logits.
-
-    input_ids: [group, n_new]; pad: [group]. Logits: [group, n_new or logits_to_keep, vocab].
-    """
-    dtype = next(model.parameters()).dtype
-    mask, positions = attention_inputs(pad, start, input_ids.shape[1], dtype)
-    cache.bind(rows_index, start)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
-    return out.logits
-
-
-FOLDED_SDPA = "batchspec_sdpa"
-_FOLD_MAX_QUERY = 64  # longer queries (prefill) repeat K/V: repeating the mask instead would cost more
-
-
-def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs):
-    """SDPA for grouped-query attention with an explicit mask that never repeats K/V.
-
-    Stock SDPA attention repeats every key/value head ``n_rep`` times (a copy of the whole
-    cache, per layer and forward) whenever a mask is given and the query is longer than one
-    token: every verify forward and every draft catch-up here. Instead, the ``n_rep`` query
-    heads that share a KV head are folded into the query length
-    (``[B, H, q, D] -> [B, H/n_rep, n_rep*q, D]``) and the mask, shared by all heads, is
-    repeated along it. This is stock SDPA's own one-token case (``pack_gqa``) for q > 1; all
-    other cases go to stock SDPA unchanged.
-    """
-    n_rep = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, dim = query.shape
-    if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-            or q_len == 1 or q_len > _FOLD_MAX_QUERY or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    query = query.reshape(batch, heads // n_rep, n_rep * q_len, dim)
-    mask = attention_mask.repeat(1, 1, n_rep, 1)  # row r*q + i of the folded query is query row i
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           scale=scaling)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
-
-
-def _register() -> None:
-    """Add ``_folded_sdpa`` to transformers' attention registries under its own name (no other entry changes)."""
-    AttentionInterface.register(FOLDED_SDPA, _folded_sdpa)  # idempotent
-    AttentionMaskInterface.register(FOLDED_SDPA, sdpa_mask)  # calls without a 4D mask build it as for SDPA
-
-
-def use_folded_sdpa(model) -> None:
-    """Switch a model that runs stock SDPA to ``_folded_sdpa`` for good (other implementations are left alone).
-
-    This changes the caller's model; ``folded_sdpa`` does the same for a block of code only.
-    The first call registers the kernel in transformers' ``AttentionInterface`` as
-    ``"batchspec_sdpa"``, a name of its own.
-    """
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        _register()
-        model.set_attn_implementation(FOLDED_SDPA)
-
-
-@contextmanager
-def folded_sdpa(*models):
-    """Run ``models`` with ``_folded_sdpa`` inside the block; each gets its own implementation back after it."""
-    switched = [m for m in models if getattr(m.config, "_attn_implementation", None) == "sdpa"]
-    for model in switched:
-        use_folded_sdpa(model)
-    try:
-        yield
-    finally:
-        for model in switched:
-            model.set_attn_implementation("sdpa")
 
 
 def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list[int], dst: list[int],

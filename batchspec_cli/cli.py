@@ -41,7 +41,7 @@ from .checkpoint import CheckpointError
 from .config import GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
-from .events import RowResult, StepStats
+from .events import NonFiniteLogits, RowResult, StepStats
 from .files import check_distinct
 from .inputs import read_input
 from .job import BucketDone, Generation, Interrupted, Started
@@ -363,7 +363,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
                               signal=getattr(exc, "signum", signal.SIGINT))
-    except (OSError, CheckpointError) as exc:  # the machine (a full disk) or a tampered work directory: one line
+    except (OSError, CheckpointError, NonFiniteLogits) as exc:  # the machine, the work directory, the model: one line
         events.close()
         message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
         log.write("failed", error=message, rows_saved=job.saved_rows, total_rows=total, exit_code=1)

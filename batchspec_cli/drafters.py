@@ -34,7 +34,8 @@ from typing import Callable, Protocol
 import torch
 
 from . import lookup, sampling
-from .align import Selection, SlotCache, group_forward
+from .align import Selection, SlotCache
+from .attention import group_forward
 
 NAMES = ("ngram", "suffix", "grammar")
 

@@ -49,18 +49,19 @@ import torch
 
 from . import drafters as drafting
 from . import sampling
-from .align import CacheFull, SlotCache, device_tensor, folded_sdpa, group_forward, selection
+from .align import CacheFull, SlotCache, device_tensor, selection
+from .attention import folded_sdpa, group_forward
 from .config import MODES
 from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
-from .events import Request, RowResult, StepStats
+from .events import NonFiniteLogits, Request, RowResult, StepStats
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .stops import StopChecker
 
-_RUNNING, _STOP, _LENGTH, _STOP_STRING = 0, 1, 2, 3
+_RUNNING, _STOP, _LENGTH, _STOP_STRING, _BROKEN = 0, 1, 2, 3, 4  # _BROKEN: non-finite logits
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
 _CALIBRATION_CONTEXT = 16  # the draft's bare-forward timings run on a throwaway cache of this many columns
 
@@ -171,7 +172,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
-        """Decode every request; the models run the folded GQA attention (``align.folded_sdpa``) for the run only.
+        """Decode every request; the models run the folded GQA attention (``attention.folded_sdpa``) for the run only.
         Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
         self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
         stream = iter(requests)
@@ -458,7 +459,13 @@ class Engine:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
-            committed = self._commit(rows_index, T, k, draft, n_acc, nxt, logprobs)  # the round's one host sync
+            finite = torch.isfinite(logits.amax(-1)).all(-1)  # [G] no NaN, no +inf, not all -inf
+            committed = self._commit(rows_index, T, k, draft, n_acc, nxt, finite, logprobs)  # the round's one sync
+        if _BROKEN in committed.codes:
+            broken = [state.rows[s].id for s, code in zip(slots, committed.codes) if code == _BROKEN]
+            raise NonFiniteLogits(f"the target model gave non-finite logits (NaN or inf) for row {broken[0]!r}"
+                                  f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''} at step "
+                                  f"{self.step_no + 1} ({self.target.model.dtype}); nothing of that round was kept")
         rows = [state.rows[s].row for s in slots]
         committed, results = self._bookkeep(slots, draft, committed)
         ended = time.perf_counter()
@@ -587,8 +594,11 @@ class Engine:
         return masks.to(self.device, non_blocking=True)
 
     def _commit(self, rows_index, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
-                logprobs: torch.Tensor | None = None) -> Committed:
+                finite: torch.Tensor, logprobs: torch.Tensor | None = None) -> Committed:
         """Write the round's block and advance the rows; returns what each row committed, on the host.
+
+        finite: [G] whether the row's logits were all usable; if any row's were not, nothing is
+        written and every row's code is returned as it is, a broken row's as ``_BROKEN``.
 
         ``logprobs``: [G, n] int64 columns of the rows' log-probabilities (``logprobs.Recorder``), carried
         to the host in the same copy.
@@ -605,8 +615,11 @@ class Engine:
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
+        code = torch.where(finite, code, _BROKEN)
         extra = [] if logprobs is None else [logprobs]
         on_host = torch.cat([torch.stack([emitted, kept, code], 1), block, *extra], 1).tolist()  # [G, 3 + k+1 + n]
+        if any(r[2] == _BROKEN for r in on_host):
+            return Committed([], [], [r[2] for r in on_host], [])
         self.layout.tokens[rows_index, T : T + k + 1] = block
         self.state.gen[rows_index] += emitted
         columns = (list(column) for column in zip(*((r[0], r[1], r[2], r[3 : 4 + k]) for r in on_host)))

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from .constraints import Constraint
 
 
+class NonFiniteLogits(RuntimeError):
+    """The target gave a NaN or infinite logit for a live row: the round is refused, nothing of it committed."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one row picks its tokens. temperature == 0 means greedy."""

@@ -10,8 +10,8 @@ A model *spec* is what the user typed after `--target` / `--draft`:
   reached; never a long wait.
 
 Every spec resolves to a local directory first, so tokenizers can be compared (`check_vocab`)
-before any weights are read. The engine realigns KV per row, which only full-attention
-caches allow: `check_supported` refuses everything else. Nothing here prints; every
+before any weights are read. The engine keeps every layer's KV per slot and masks it per
+layer type (full, sliding-window, chunked attention): `check_supported` refuses other layers. Nothing here prints; every
 failure the user can cause is a one-line `ModelError`.
 """
 
@@ -46,6 +46,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from . import attention
 from .errors import one_line
 
 
@@ -366,6 +367,7 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
     check_supported(model, name=name)
+    plain_experts(model)
     eos = eos_ids(model, tokenizer)
     if model.generation_config.pad_token_id is None and eos:
         model.generation_config.pad_token_id = eos[0]
@@ -414,6 +416,7 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     if not (folder / SHARED_DRAFT_FILE).is_file():
         draft = load_model(spec, dtype, device, quiet)
         draft.model.to(target.model.dtype)
+        plain_experts(draft.model)
         return draft
     from safetensors.torch import load_file
     from transformers import GenerationConfig
@@ -509,7 +512,8 @@ def cache_kwarg(model: PreTrainedModel) -> str:
 
 
 def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None = None) -> None:
-    """Refuse models whose KV cache cannot be realigned per row: only full attention everywhere.
+    """Refuse models whose attention the engine's masks cannot express: full, sliding-window and chunked
+    attention layers only (``attention.LAYER_TYPES``), every layer's KV cached per slot.
 
     Accepts a model or just its config (to refuse before reading the weights).
     """
@@ -518,29 +522,31 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model '{label}' is an encoder-decoder model; batchspec needs a decoder-only causal LM")
     text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        others = sorted({str(t) for t in layer_types} - {"full_attention"})
-        if others:
-            raise ModelError(
-                f"model '{label}' has {', '.join(others)} layers; batchspec can only realign full-attention KV caches"
-            )
-    elif getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True) is not False:
-        raise ModelError(
-            f"model '{label}' uses sliding-window attention (window {text.sliding_window}); "
-            "batchspec can only realign full-attention KV caches"
-        )
-    if getattr(text, "attention_chunk_size", None) is not None:
-        raise ModelError(f"model '{label}' uses chunked attention; batchspec can only realign full-attention KV caches")
+    kinds = set(attention.layer_types(text))
     try:  # what transformers itself would build for this config
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        inferred = set(get_layer_types_and_kwargs(text)[0])
+        built = set(get_layer_types_and_kwargs(text)[0])
     except Exception:
-        inferred = {"full_attention"}
-    if inferred - {"full_attention"}:
-        kinds = ", ".join(sorted(inferred - {"full_attention"}))
-        raise ModelError(f"model '{label}' has {kinds} cache layers; batchspec can only realign full-attention ones")
+        built = set()
+    others = sorted(kinds - set(attention.LAYER_TYPES)) or sorted(built - set(attention.LAYER_TYPES))
+    kinds |= built
+    if others:
+        raise ModelError(f"model '{label}' has {', '.join(others)} layers; batchspec supports full, sliding-window "
+                         "and chunked attention layers only")
+    windows = {getattr(c, "sliding_window", None) for c in getattr(text, "per_layer_config", None) or [text]}
+    if attention.SLIDING in kinds and (None in windows or len(windows) > 1):
+        raise ModelError(f"model '{label}' has sliding-window layers without one window size ({sorted(map(str, windows))})"
+                         "; batchspec supports a single window")
+    if attention.CHUNKED in kinds and getattr(text, "attention_chunk_size", None) is None:
+        raise ModelError(f"model '{label}' has chunked attention layers without an attention_chunk_size")
+
+
+def plain_experts(model: PreTrainedModel) -> None:
+    """Mixture-of-experts layers run transformers' eager experts in float64: its grouped-mm kernel has none."""
+    if (model.dtype == torch.float64 and model.config._experts_implementation not in (None, "eager")
+            and model._can_set_experts_implementation()):
+        model.set_experts_implementation("eager")
 
 
 def check_vocab(

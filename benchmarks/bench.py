@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchspec_cli import drafters, models  # noqa: E402
-from batchspec_cli.align import attention_inputs, use_folded_sdpa  # noqa: E402
+from batchspec_cli.attention import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.prompts import render_prompt  # noqa: E402
@@ -201,7 +201,7 @@ def forward_costs(target: ModelHandle, draft: ModelHandle, batch: int, context: 
     verify back to back, so c and v are medians of per-repeat ratios: load from elsewhere that
     drifts over the measurement cancels in the ratio. The forwards get an explicit 4D mask
     without padding, as the engine's forwards do, so they run the same attention kernels
-    (``align.use_folded_sdpa``); nothing else of the engine is involved.
+    (``attention.use_folded_sdpa``); nothing else of the engine is involved.
     """
     device = target.model.device
     ids = torch.randint(100, 1000, (batch, context), device=device)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from transformers import DynamicCache  # noqa: E402
 
 from batchspec_cli import drafters, models  # noqa: E402
-from batchspec_cli.align import attention_inputs  # noqa: E402
+from batchspec_cli.attention import attention_inputs  # noqa: E402
 from batchspec_cli.logprobs import Recorder  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult  # noqa: E402

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 from batchspec_cli import align, grouping, models, pool  # noqa: E402
-from batchspec_cli.align import use_folded_sdpa  # noqa: E402
+from batchspec_cli.attention import use_folded_sdpa  # noqa: E402
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import StepStats  # noqa: E402
 from batchspec_cli.prompts import render_prompt  # noqa: E402

@@ -6,7 +6,7 @@
 Every batch size gets a ``SlotCache`` whose rows are prefilled with ``--context`` tokens of
 Spec-Bench text (``turns[0]`` of consecutive questions, each row starting elsewhere); then
 forwards of T new tokens at column ``--context`` are timed through the engine's own path
-(``align.group_forward``, folded SDPA, explicit 4D mask), overwriting the same columns each
+(``attention.group_forward``, folded SDPA, explicit 4D mask), overwriting the same columns each
 time. ``v(T) = t(T) / t(1)`` of the same variant and thread count; ``vs plain`` divides by
 the stock kernels' one-token forward at the same thread count instead.
 
@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from batchspec_cli import kernels, models  # noqa: E402
-from batchspec_cli.align import SlotCache, group_forward, use_folded_sdpa  # noqa: E402
+from batchspec_cli.align import SlotCache  # noqa: E402
+from batchspec_cli.attention import group_forward, use_folded_sdpa  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 VARIANTS = ("plain", "onednn", "hybrid")

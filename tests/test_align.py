@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec_cli import align
-from batchspec_cli.align import Layout, SlotCache, attention_inputs, realign, selection
+from batchspec_cli import align, attention
+from batchspec_cli.align import Layout, SlotCache, realign, selection
+from batchspec_cli.attention import attention_inputs
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama
 
 
@@ -204,15 +205,15 @@ def test_folded_sdpa_equals_stock_sdpa_on_padded_grouped_query_attention(n_new):
     tokens = torch.randint(4, TINY_VOCAB_SIZE, (3, prefix + n_new), generator=torch.Generator().manual_seed(n_new))
     logits = {}
     for folded in (False, True):
-        with align.folded_sdpa(*([model] if folded else [])):
-            assert model.config._attn_implementation == (align.FOLDED_SDPA if folded else "sdpa")
+        with attention.folded_sdpa(*([model] if folded else [])):
+            assert model.config._attn_implementation == (attention.FOLDED_SDPA if folded else "sdpa")
             cache = SlotCache(3, 128)
             sel = slice(0, 3)
-            align.group_forward(model, cache, "cache", sel, tokens[:, :prefix], pad, 0)
-            logits[align.FOLDED_SDPA if folded else "sdpa"] = align.group_forward(model, cache, "cache", sel,
+            attention.group_forward(model, cache, "cache", sel, tokens[:, :prefix], pad, 0)
+            logits[attention.FOLDED_SDPA if folded else "sdpa"] = attention.group_forward(model, cache, "cache", sel,
                                                                                   tokens[:, prefix:], pad, start)
     assert model.config._attn_implementation == "sdpa"
-    torch.testing.assert_close(logits[align.FOLDED_SDPA], logits["sdpa"], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits[attention.FOLDED_SDPA], logits["sdpa"], rtol=1e-10, atol=1e-10)
 
 
 def test_the_engine_runs_stock_sdpa_models_folded_for_the_run_only():
@@ -233,7 +234,7 @@ def test_the_engine_runs_stock_sdpa_models_folded_for_the_run_only():
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [1], EngineConfig(mode="exspec", k=2))
     assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"  # not at construction
     list(engine.run([Request(row=0, id="0", prompt_ids=[5, 6, 7], max_new_tokens=3)]))
-    assert seen and set(seen) == {(align.FOLDED_SDPA, align.FOLDED_SDPA)}
+    assert seen and set(seen) == {(attention.FOLDED_SDPA, attention.FOLDED_SDPA)}
     assert target.config._attn_implementation == draft.config._attn_implementation == "sdpa"
     list(Engine(ModelHandle(eager, "cache"), None, [1], EngineConfig(mode="ar")).run(
         [Request(row=0, id="0", prompt_ids=[5, 6], max_new_tokens=2)]))
@@ -244,6 +245,6 @@ def test_importing_align_registers_nothing():
     import subprocess
     import sys
 
-    code = ("from transformers import AttentionInterface; import batchspec_cli.engine, batchspec_cli.align as a; "
+    code = ("from transformers import AttentionInterface; import batchspec_cli.engine, batchspec_cli.attention as a; "
             "assert a.FOLDED_SDPA not in AttentionInterface._global_mapping")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -351,28 +351,24 @@ def _tiny(config_class, **kw):
     return config_class(**sizes, **kw)
 
 
-def test_check_supported_accepts_full_attention(tiny_target):
+def test_check_supported_accepts_full_sliding_and_chunked_attention(tiny_target):
+    from transformers import Gemma2ForCausalLM, Llama4TextConfig
+
     check_supported(tiny_target)
     check_supported(_tiny(LlamaConfig))
     check_supported(_tiny(Qwen2Config))  # use_sliding_window=False: every layer full
     check_supported(_tiny(MistralConfig, sliding_window=None))
-
-
-def test_check_supported_refuses_sliding_gemma2_model():
-    from transformers import Gemma2ForCausalLM
-
-    model = Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16))
-    model.name_or_path = "tiny/gemma2"
-    with pytest.raises(ModelError, match=r"'tiny/gemma2' has sliding_attention layers"):
-        check_supported(model)
+    check_supported(_tiny(MistralConfig, sliding_window=4096))
+    check_supported(_tiny(Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=1))
+    check_supported(Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16)))
+    check_supported(_tiny(Llama4TextConfig, attention_chunk_size=8))
 
 
 @pytest.mark.parametrize(
     "config, why",
     [
-        (_tiny(MistralConfig, sliding_window=4096), "sliding-window attention"),
-        (_tiny(Qwen2Config, use_sliding_window=True, sliding_window=16, max_window_layers=1), "sliding_attention"),
-        (_tiny(LlamaConfig, layer_types=["linear_attention", "full_attention"]), "linear_attention"),
+        (_tiny(LlamaConfig, layer_types=["linear_attention", "full_attention"]), "linear_attention layers"),
+        (_tiny(Gemma2Config, sliding_window=None), "without one window size"),
         (T5Config(), "encoder-decoder"),
     ],
 )
