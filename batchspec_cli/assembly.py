@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import constraints
 from . import drafters
 from . import models
 from .config import GenerateConfig
@@ -91,8 +92,10 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
+    guide = constraints.Guide(lambda: constraints.tokenizer_for(tokenizer, eos_ids),
+                              target.model.get_output_embeddings().weight.shape[0])  # its tokenizer built on first use
     return Engine(target_handle, draft.handle if draft else None, eos_ids, econf, stop_checker=checker,
-                  lookups=drafters.make(lookup_names))
+                  lookups=drafters.make(lookup_names), guide=guide)
 
 
 def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0) -> tuple[str, list[str]]:

@@ -149,6 +149,17 @@ def generate(
     logprobs_mode: Annotated[str, typer.Option("--logprobs-mode", help="raw: the target's log-softmax before "
                                                "temperature/top-k/top-p | processed: after them (the distribution "
                                                "sampled from).")] = DEFAULT.logprobs_mode,
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="Every completion is JSON valid "
+                                                        "under the JSON schema in this file.")] = DEFAULT.json_schema,
+    regex: Annotated[Optional[str], typer.Option("--regex", help="Every completion matches this regular "
+                                                 "expression.")] = DEFAULT.regex,
+    choice: Annotated[Optional[list[str]], typer.Option("--choice", help="Every completion is exactly one of "
+                                                        "these strings (repeatable).")] = DEFAULT.choice,
+    json: Annotated[bool, typer.Option("--json", help="Every completion is a JSON object.")] = DEFAULT.json,
+    response_format_column: Annotated[Optional[str], typer.Option("--response-format-column", help="Per-row "
+                                                                  "constraint: an OpenAI response_format object "
+                                                                  "(json_schema or json_object) or a JSON schema "
+                                                                  "(null: the job's).")] = DEFAULT.response_format_column,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = DEFAULT.bucket_width,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]
@@ -194,7 +205,8 @@ def generate(
         stop=tuple(stop or ()), chat=chat, system=system, allow_special_tokens=allow_special_tokens,
         prompt_column=prompt_column, id_column=id_column,
         dtype=dtype, logprobs=logprobs, logprobs_column=logprobs_column, logprobs_mode=logprobs_mode,
-        batch_size=batch_size, window=window, device=device, stats=stats, bucket_width=bucket_width,
+        json_schema=json_schema, regex=regex, choice=tuple(choice or ()) or None, json=json,
+        response_format_column=response_format_column, batch_size=batch_size, window=window, device=device, stats=stats, bucket_width=bucket_width,
         threads=threads, kernels=kernels, ray=ray, ray_address=ray_address, ray_workers=ray_workers,
         ray_block_rows=ray_block_rows, overwrite=overwrite, restart=restart, quiet=quiet,
         checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)

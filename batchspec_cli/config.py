@@ -88,6 +88,13 @@ class GenerateConfig:
     prompt_column: str = setting("prompt", fingerprint=True, metadata=True)
     id_column: str = setting("id", fingerprint=True, metadata=True)
     dtype: str = setting("auto", fingerprint=True, metadata=True)
+    # The shape every completion must have (constraints.py): at most one of these for the whole job, and per-row
+    # response_format cells (an OpenAI response_format object or a bare JSON schema; null: the job's).
+    json_schema: Path | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    regex: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    choice: tuple[str, ...] | None = setting(None, fingerprint=True, metadata=True, recent=True)
+    json: bool = setting(False, fingerprint=True, metadata=True, recent=True)  # any JSON object
+    response_format_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
     # What the output holds besides the completions.
     logprobs: int | None = setting(None, fingerprint=True, metadata=True, recent=True)  # the top N alternatives too
     logprobs_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # per-row N
@@ -115,6 +122,7 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
+        self.choice = tuple(self.choice) if self.choice else None
 
 
 DEFAULT = GenerateConfig(input=Path(), output=Path())
@@ -198,6 +206,8 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.checkpoint_rows >= 1, f"--checkpoint-rows must be a positive integer, got {cfg.checkpoint_rows}"),
         (cfg.checkpoint_seconds > 0, f"--checkpoint-seconds must be positive, got {cfg.checkpoint_seconds}"),
         (all(cfg.stop), "--stop strings must not be empty"),
+        (sum(map(bool, (cfg.json_schema, cfg.regex is not None, cfg.choice, cfg.json))) <= 1,
+         "--json-schema, --regex, --choice and --json are exclusive: give one"),
     ]
     for ok, message in checks:
         if not ok:

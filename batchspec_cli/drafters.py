@@ -20,6 +20,8 @@ text outside its KV cache, so those calls are no-ops for it.
   completion finished so far in the job, with counts; the most frequent continuation,
   drafted while the running product of its frequencies stays above ``min_prob``. Its
   memory is bounded (``lookup.SuffixIndex``: oldest documents are evicted first).
+- ``grammar``: on a constrained row, the tokens its grammar forces next (``{"``, a key,
+  ``": "``, a closing brace: ``constraints.Guide.forced``); nothing on other rows.
 
 Model-free drafts cost no forward; the data structures are in ``lookup``.
 """
@@ -35,7 +37,7 @@ from . import lookup, sampling
 from .align import Selection, SlotCache
 from .attention import group_forward
 
-NAMES = ("ngram", "suffix")
+NAMES = ("ngram", "suffix", "grammar")
 
 
 @dataclass
@@ -79,14 +81,9 @@ def _padded(drafts: list[list[int]], k: int, source: str) -> Proposal:
     return Proposal(tokens, [min(k, len(d)) for d in drafts], source)
 
 
-class ModelDrafter:
-    """The draft model and its slot cache (moved by realignment with the target's)."""
-
-    name = "model"
-
-    def __init__(self, model: torch.nn.Module, cache_kwarg: str, vocab: int):
-        self.model, self.cache_kwarg, self.vocab = model, cache_kwarg, vocab
-        self.cache: SlotCache | None = None  # set per run by the engine
+class _Unlearning:
+    """A drafter that learns nothing from text: the row events are no-ops, and a resumed run has nothing to
+    rebuild (the draft model knows only its KV cache; the grammar's forced tokens depend on the row's prefix)."""
 
     def admit(self, row: int, prompt: list[int]) -> None:
         pass
@@ -98,7 +95,17 @@ class ModelDrafter:
         pass
 
     def preload(self, prompt: list[int], completion: list[int] | None) -> None:
-        """Nothing to rebuild: the draft model learns nothing from finished rows."""
+        pass
+
+
+class ModelDrafter(_Unlearning):
+    """The draft model and its slot cache (moved by realignment with the target's)."""
+
+    name = "model"
+
+    def __init__(self, model: torch.nn.Module, cache_kwarg: str, vocab: int):
+        self.model, self.cache_kwarg, self.vocab = model, cache_kwarg, vocab
+        self.cache: SlotCache | None = None  # set per run by the engine
 
     @torch.no_grad()
     def prefill(self, rows_index: Selection, tokens: torch.Tensor, pad: torch.Tensor) -> None:
@@ -181,9 +188,27 @@ class SuffixDrafter:
             self.corpus.add(self.corpus.completion_document(prompt, completion))
 
 
+class GrammarDrafter(_Unlearning):
+    """Drafts what a constrained row's grammar forces next; the engine gives it the run's ``constraints.Guide``
+    (``bind``), which holds the rows' matchers, so it keeps no state of its own."""
+
+    name = "grammar"
+
+    def __init__(self):
+        self.guide = None  # constraints.Guide
+
+    def bind(self, guide) -> None:
+        self.guide = guide
+
+    def propose(self, rows: Rows, k: int) -> Proposal:
+        return _padded([self.guide.forced(row, k) if self.guide is not None else [] for row in rows.ids], k,
+                       self.name)
+
+
 def make(names: list[str]) -> list:
     """Model-free drafters by name, in a fixed order (the policy ranks their proposals per row)."""
-    return [{"ngram": NgramDrafter, "suffix": SuffixDrafter}[name]() for name in NAMES if name in names]
+    kinds = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "grammar": GrammarDrafter}
+    return [kinds[name]() for name in NAMES if name in names]
 
 
 def merge(proposals: dict[str, Proposal], drafters: list[str], k: int, device: torch.device) -> Proposal:

@@ -44,7 +44,6 @@ round (the commit's ``tolist``); step timers are CUDA events on a GPU, read afte
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -57,6 +56,7 @@ from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, selection
 from .attention import folded_sdpa, group_forward
 from .config import DEFAULT, MODES
+from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import NonFiniteLogits, Request, RowResult, StepStats
@@ -173,9 +173,11 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | Callable[[], ModelHandle] | None, eos_ids: list[int],
                  cfg: EngineConfig, stop_checker: StopChecker | None = None,
-                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None):
+                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None,
+                 guide: Guide | None = None):
         """``draft``: the draft model, or a function that loads it, called when the draft is first used (auto:
-        at its first speculative trial; eqspec and exspec: at their first admission)."""
+        at its first speculative trial; eqspec and exspec: at their first admission). ``guide``: the constrained
+        rows' matchers (``constraints.Guide``)."""
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
@@ -193,10 +195,16 @@ class Engine:
                          if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
+        self.eos_set = set(eos_ids)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
         self.n_slots = self.strategy.n_slots
+        # The constrained rows' matchers (constraints.py); without a tokenizer a constrained row is an error row.
+        self.guide = guide if guide is not None else Guide(None, self.vocab)
+        for drafter in self.lookups:
+            if hasattr(drafter, "bind"):
+                drafter.bind(self.guide)
         self.step_no = 0
         self.has_draft = drafts and self.max_k > 0  # a draft model, loaded or not yet
         self.model_drafter: ModelDrafter | None = None
@@ -250,13 +258,14 @@ class Engine:
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
+        self.guide.clear()
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
             return "empty prompt after tokenization"
         if self.context is not None and len(req.prompt_ids) >= self.context:
             return f"prompt has {len(req.prompt_ids)} tokens; the model's context is {self.context}"
-        return None
+        return self.guide.admit(req.row, req.constraint)  # the row's matcher, or what is wrong with its constraint
 
     def _limit(self, req: Request) -> int:
         """A row's token limit, worked out once at admission (``SlotState.limit``)."""
@@ -300,6 +309,7 @@ class Engine:
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
+                self.guide.finish(req.row)
                 yield error_row(req, "out of memory: no room for this row's KV cache")
             return
         self.admission.admitted(limits)
@@ -479,6 +489,7 @@ class Engine:
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
             draft, drafters = self._draft(slots, rows_index, pad, T, choice, proposals, noise)
+            masks = self._constrain(slots, draft, k)  # cuts the drafts the grammars refuse; None: no row constrained
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = self.layout.tokens[rows_index, T - 1 : T]
@@ -487,12 +498,15 @@ class Engine:
             logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, inputs, pad,
                                    T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
-            target_tokens = self._choose_tokens(logits, rows_index, noise, 0)  # [G, k+1]
-            logprobs = self.logprobs.device_values([state.rows[s] for s in slots], logits, target_tokens,
-                                                   state.temperature[rows_index], state.top_k[rows_index],
-                                                   state.top_p[rows_index])
+            masked = logits if masks is None else logits.masked_fill(~masks, float("-inf"))  # [G, k+1, V]
+            target_tokens = self._choose_tokens(masked, rows_index, noise, 0)  # [G, k+1]
+            logprobs = self.logprobs.device_values([state.rows[s] for s in slots],
+                                                   masked if self.cfg.logprobs_mode == "processed" else logits,
+                                                   target_tokens, state.temperature[rows_index],
+                                                   state.top_k[rows_index], state.top_p[rows_index])
             if k:
-                lengths = None if choice.source == "model" else device_tensor(draft.lengths, self.device)
+                lengths = None if choice.source == "model" and masks is None \
+                    else device_tensor(draft.lengths, self.device)
                 n_acc, nxt = sampling.coupled_accept(draft.tokens, lengths, target_tokens)
             else:
                 n_acc, nxt = torch.zeros_like(target_tokens[:, 0]), target_tokens[:, 0]
@@ -606,6 +620,20 @@ class Engine:
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
+    def _constrain(self, slots: list[int], draft: Proposal, k: int) -> torch.Tensor | None:
+        """The constrained rows' masks [G, k+1, V] (bool, on the device) for the verify positions; None when no
+        row of the group is constrained (no cost). Drafts are cut at the first token a row's grammar refuses
+        (``draft.lengths``), and the masks are those of the row's committed prefix plus its drafts before each
+        position (``constraints.Guide.walk``)."""
+        if not self.guide.matchers:  # no constrained row in flight: nothing to do
+            return None
+        rows = [self.state.rows[s].row for s in slots]
+        if not self.guide.any(rows):
+            return None
+        drafts = [[]] * len(slots) if not k else [row[:n] for row, n in zip(draft.tokens.tolist(), draft.lengths)]
+        draft.lengths, masks = self.guide.walk(rows, drafts, self.eos_set, k + 1)
+        return masks.to(self.device, non_blocking=True)
+
     def _commit(self, rows_index, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
                 finite: torch.Tensor, logprobs: torch.Tensor | None = None) -> Committed:
         """Write the round's block and advance the rows; returns what each row committed, on the host.
@@ -653,6 +681,7 @@ class Engine:
             ids.extend(block[: emitted[i]])
             for drafter in self.lookups:
                 drafter.extend(row, block[: emitted[i]])
+            self.guide.extend(row, block[: emitted[i]])
             if self.stop_checker is not None:
                 cut = self.stop_checker(ids, emitted[i], state.rows[slot].stop)
                 if cut is not None:  # the stop string ends within this round's tokens: drop what follows it
@@ -680,6 +709,7 @@ class Engine:
             self.logprobs.pop(req.row)
             result = error_row(req, error)
         self.pool.free(slot)
+        self.guide.finish(req.row)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)
         return result

@@ -16,6 +16,10 @@ Vocabulary (used across the package):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .constraints import Constraint
 
 
 class NonFiniteLogits(RuntimeError):
@@ -49,6 +53,7 @@ class Request:
     pad_to: int = 0  # left-pad the prompt to this length at admission (bucket's longest)
     logprobs: int | None = None  # None: none wanted; N >= 0: each token's log-probability and the top N (<= 20)
     stop: tuple[str, ...] = ()  # the row's own stop strings, in addition to the job's --stop
+    constraint: "Constraint | None" = None  # the shape the completion must have (constraints.py); None: free text
 
 
 @dataclass

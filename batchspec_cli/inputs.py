@@ -19,7 +19,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import constraints
 from .config import MAX_TOP_LOGPROBS, GenerateConfig
+from .constraints import Constraint
 from .errors import InputError
 from .files import check_readable_file
 from .outputs import EXTRA_OUTPUT_COLUMNS, METADATA_KEY, OUTPUT_COLUMNS
@@ -440,8 +442,9 @@ LARGEST = {"logprobs": MAX_TOP_LOGPROBS}  # overrides with an upper bound
 
 
 def setting_columns(cfg: GenerateConfig) -> list[str]:
-    """The input columns the per-row settings read (--temperature-column ... --stop-column)."""
-    named = [getattr(cfg, attr) for attr, *_ in OVERRIDES.values()] + [cfg.stop_column]
+    """The input columns the per-row settings read (--temperature-column ... --stop-column,
+    --response-format-column)."""
+    named = [getattr(cfg, attr) for attr, *_ in OVERRIDES.values()] + [cfg.stop_column, cfg.response_format_column]
     return [column for column in named if column is not None]
 
 
@@ -477,6 +480,8 @@ def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
         out[name] = values
     if cfg.stop_column is not None:
         out["stop"] = stop_cells(inp, cfg.stop_column, cfg.input)
+    if cfg.response_format_column is not None:
+        out["response_format"] = response_format_cells(inp, cfg.response_format_column, cfg.input)
     return out
 
 
@@ -506,4 +511,24 @@ def stop_cells(inp: InputTable, column: str, source) -> list[tuple[str, ...]]:
             raise InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "
                              f"of them, got {value!r}")
         out.append(tuple(stops))
+    return out
+
+
+def response_format_cells(inp: InputTable, column: str, source) -> list[Constraint | None]:
+    """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
+    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
+    if column not in inp.table.column_names:
+        raise InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
+                             f"input")
+    out = []
+    for value in inp.values(column):  # as written (a JSON object stays an object)
+        if value is None:
+            out.append(None)
+            continue
+        try:
+            constraint = constraints.from_response_format(value)
+            error = constraints.problem(constraint) if constraint is not None else None
+        except constraints.ConstraintError as exc:
+            error = str(exc)
+        out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)
     return out

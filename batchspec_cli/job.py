@@ -130,6 +130,7 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
         "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),
         "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
         **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
+        **({"constraint": {"kind": plan.constraint.kind, "text": plan.constraint.text}} if plan.constraint else {}),
     }
 
 
@@ -225,8 +226,9 @@ class Generation:
     def requests(self) -> Iterator[Request]:
         """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
         cfg, plan = self.cfg, self.plan
-        temperature, seed, max_new, top_p, stops, logprobs = (
-            plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs"))
+        temperature, seed, max_new, top_p, stops, logprobs, formats = (
+            plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs",
+                                                  "response_format"))
         saved = self.done.copy()
         current = None
         for bucket, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
@@ -252,7 +254,7 @@ class Generation:
                 yield Request(row=row, id=plan.inp.ids[row], prompt_ids=prompt,
                               max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
                               bucket=bucket.index, pad_to=bucket.hi, logprobs=row_value(logprobs, row, cfg.logprobs),
-                              stop=row_value(stops, row, ()))
+                              stop=row_value(stops, row, ()), constraint=row_value(formats, row, plan.constraint))
         if current is not None:
             self._progress.seal(current)
 

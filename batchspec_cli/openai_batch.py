@@ -14,12 +14,14 @@ per-row columns would. A field a body leaves out (or sets to null) takes the com
 - honoured: ``messages`` (chat) / ``prompt`` (completions: the raw text, no chat template, no
   ``--system``), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
   ``seed``, ``stop`` (a string or a list: the row's stop strings, besides ``--stop``),
-  ``logprobs`` / ``top_logprobs`` (chat) or ``logprobs`` (completions), ``n`` (1 only);
+  ``logprobs`` / ``top_logprobs`` (chat) or ``logprobs`` (completions), ``n`` (1 only),
+  ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (``strict`` true or false:
+  the schema is enforced either way; ``constraints.py``), an invalid schema making the line an error;
 - recorded, never acted on: ``model`` (the ``--target`` runs; the response names it);
 - accepted because they cannot change the completion: ``user``, ``store``, ``metadata``,
   ``service_tier``, and the neutral values ``stream: false``, ``echo: false``, ``best_of: 1``,
   ``frequency_penalty: 0``, ``presence_penalty: 0``, ``logit_bias: {}``,
-  ``response_format: {"type": "text"}``;
+  ``response_format: {"type": "text"}`` (no constraint);
 - anything else, ``n`` > 1, a bad value, another ``url`` or ``method``: that line becomes an
   error row naming the field (never silently ignored). A line without a string
   ``custom_id``, or a repeated one, fails the job (exit 2): it could not be answered.
@@ -47,6 +49,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import __version__
+from . import constraints
 from .errors import InputError
 from .events import RowResult, TokenLogprob
 from .files import check_readable_file, write_text_atomic
@@ -55,10 +58,10 @@ from .inputs import JSONL_SUFFIXES, BadPrompt, InputTable, Prompt, check_unique,
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LINE_FIELDS = {"custom_id", "method", "url", "body"}
 HONOURED = {"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-            "n", "logprobs", "top_logprobs", "model"}
+            "n", "logprobs", "top_logprobs", "model", "response_format"}
 NO_EFFECT = {"user", "store", "metadata", "service_tier"}
 NEUTRAL = {"stream": False, "echo": False, "best_of": 1, "frequency_penalty": 0, "presence_penalty": 0,
-           "logit_bias": {}, "response_format": {"type": "text"}}
+           "logit_bias": {}}
 MAX_TOP_LOGPROBS = {CHAT: 20, COMPLETIONS: 20}  # OpenAI: 20 (chat), 5 (completions); interfaces.md: up to 20
 ERROR_INVALID, ERROR_GENERATION = "invalid_request", "generation_error"
 
@@ -115,7 +118,7 @@ def read_batch(path: Path, limit: int | None = None) -> InputTable:
         raise InputError(f"{path}: no rows")
     ids, prompts, endpoints, errors = [], [], [], {}
     settings: dict[str, list] = {name: [] for name in ("max_new_tokens", "temperature", "top_p", "seed", "stop",
-                                                       "logprobs")}
+                                                       "logprobs", "response_format")}
     for row, (line, at) in enumerate(zip(lines, where)):
         custom_id = line.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
@@ -194,7 +197,25 @@ def parse_request(line: dict) -> tuple[Prompt, dict[str, Any]]:
     logprobs = _logprobs(body, url)
     if logprobs is not None:
         values["logprobs"] = logprobs
+    constraint = _response_format(body["response_format"]) if "response_format" in body else None
+    if constraint is not None:
+        values["response_format"] = constraint
     return prompt, values
+
+
+def _response_format(value) -> constraints.Constraint | None:
+    """The constraint of a ``response_format`` (None for ``text``); RequestError naming what is wrong."""
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError(f"response_format must be an object of type text, json_object or json_schema, "
+                           f"got {value!r}")
+    try:
+        constraint = constraints.from_response_format(value)
+        error = constraints.problem(constraint) if constraint is not None else None
+    except constraints.ConstraintError as exc:
+        error = str(exc)
+    if error:
+        raise RequestError(f"response_format: {error}")
+    return constraint
 
 
 def _refuse_unknown(where: str, names: set[str]) -> None:

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
                      read_all_rows, settings_hash)
 
+from . import constraints
 from . import drafters
 from . import models
 from . import openai_batch
@@ -31,6 +32,7 @@ from . import sources
 from .assembly import LazyDraft, assemble
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
 from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
+from .constraints import Constraint
 from .engine import Engine
 from .errors import InputError
 from .events import RowResult
@@ -65,6 +67,7 @@ class JobPlan:
     resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_step: int = 0  # the highest step number the interrupted run saved
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
+    constraint: Constraint | None = None  # the job's --json-schema / --regex / --choice / --json (rows may differ)
 
     @property
     def total_rows(self) -> int:
@@ -80,10 +83,13 @@ class JobPlan:
 
 
 def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
-    """Everything that decides the rows' completions; a resumed run must match it exactly."""
+    """Everything that decides the rows' completions; a resumed run must match it exactly (a JSON schema file by
+    its contents; per-row constraints are the input's)."""
+    schema = {"json_schema": plan.constraint.text} if cfg.json_schema is not None else {}
     return {**settings_record(cfg, "fingerprint", input=plan.input_hash, mode=plan.mode,
                               target=model_signature(plan.target.name, plan.target.source),
-                              draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None),
+                              draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None,
+                              **schema),
             "rows": plan.total_rows}
 
 
@@ -91,9 +97,10 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     """Check the output and take the lock, read the input, load the models and build the engine, then resume
     this job's saved work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided
     once."""
+    constraint = job_constraint(cfg)  # a bad schema or regex is refused before anything is read
     stats_path, saved_job = _check_output(cfg, work)
     source = _read_input(cfg)  # before any model is loaded: bad input fails fast
-    plan = _load(cfg, stats_path, source)
+    plan = _load(cfg, stats_path, source, constraint)
     # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
     if saved_job is not None:
         changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
@@ -166,11 +173,13 @@ def _read_input(cfg: GenerateConfig) -> _Source:
     return _Source(output_format, input_hash, inp, {**row_overrides(inp, cfg), **inp.overrides})
 
 
-def _load(cfg: GenerateConfig, stats_path: Path, source: _Source) -> JobPlan:
+def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Constraint | None) -> JobPlan:
     """Choose the drafters, check the tokenizers (cheap: a mismatched draft is refused before any weights load),
     then load the models and build the engine (``assembly.assemble``)."""
     notes = []
-    draft_spec, lookup_names = _drafters(cfg)
+    constrained = constraint is not None or cfg.response_format_column is not None \
+        or any(source.overrides.get("response_format") or ())  # an OpenAI batch's own response_format
+    draft_spec, lookup_names = _drafters(cfg, constrained)
     mode = cfg.mode
     if draft_spec is None and not lookup_names and mode != "ar":
         notes.append(f"no drafter available: running plain autoregressive decoding (--mode ar) instead of {mode}")
@@ -194,16 +203,43 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source) -> JobPlan:
         draft_spec=draft_spec, lookup_names=tuple(lookup_names), eos_ids=loaded.eos_ids, kernels=loaded.kernels,
         engine=loaded.engine, notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
-        bucket_dir=source.bucket_dir, manifest=source.manifest)
+        bucket_dir=source.bucket_dir, manifest=source.manifest, constraint=constraint)
 
 
-def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
+def job_constraint(cfg: GenerateConfig) -> Constraint | None:
+    """The job's --json-schema / --regex / --choice / --json; UsageError (one line) when it cannot be used."""
+    try:
+        if cfg.json_schema is not None:
+            try:
+                text = Path(cfg.json_schema).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise constraints.ConstraintError(f"cannot read it ({getattr(exc, 'strerror', None) or exc})")
+            constraint = constraints.json_schema(text)
+        elif cfg.regex is not None:
+            constraint = constraints.regex(cfg.regex)
+        elif cfg.choice:
+            constraint = constraints.choice(cfg.choice)
+        elif cfg.json:
+            constraint = constraints.any_json()
+        else:
+            return None
+        error = constraints.problem(constraint)
+        if error:
+            raise constraints.ConstraintError(error)
+    except constraints.ConstraintError as exc:
+        flag = ("--json-schema " + str(cfg.json_schema) if cfg.json_schema is not None else
+                "--regex" if cfg.regex is not None else "--choice" if cfg.choice else "--json")
+        raise UsageError(f"{flag}: {exc}") from None
+    return constraint
+
+
+def _drafters(cfg: GenerateConfig, constrained: bool = False) -> tuple[str | None, list[str]]:
     """(draft model spec or None, model-free drafter names) from --draft, or the defaults.
 
-    ``--draft`` takes a model, ``ngram``, ``suffix``, or a comma list of them (one model
-    at most). Without it: the shipped draft for the embedded default target, plus
+    ``--draft`` takes a model, ``ngram``, ``suffix``, ``grammar``, or a comma list of them
+    (one model at most). Without it: the shipped draft for the embedded default target, plus
     ``suffix`` under ``auto``; ``suffix`` for any other target, so every target gets
-    speculation.
+    speculation; and ``grammar`` when rows are constrained (it drafts the forced tokens).
     """
     if cfg.draft is not None:
         parts = [part.strip() for part in cfg.draft.split(",")]
@@ -215,10 +251,11 @@ def _drafters(cfg: GenerateConfig) -> tuple[str | None, list[str]]:
         return (specs[0] if specs else None), [name for name in drafters.NAMES if name in parts]
     if cfg.mode == "ar":
         return None, []
+    grammar = ["grammar"] if constrained else []
     shipped = models.default_draft_path() if cfg.target is None else None
     if shipped is not None:
-        return str(shipped), (["suffix"] if cfg.mode == "auto" else [])
-    return None, ["suffix"]
+        return str(shipped), (["suffix"] if cfg.mode == "auto" else []) + grammar
+    return None, ["suffix"] + grammar
 
 
 def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,

@@ -4,7 +4,8 @@ The reference is Hugging Face ``generate(do_sample=False)`` on one prompt, batch
 padding — no engine code. Greedy rows take the argmax of the logits; sampled rows the
 argmax of the warped log-probabilities plus the row's keyed Gumbel noise (a logits
 processor over ``sampling``'s pure functions: the same noise any run of that row drew,
-whatever its mode, draft, k or batch). For each mismatch we report the first differing
+whatever its mode, draft, k or batch). A constrained row (``constraints.py``) is decoded under
+its mask, taken from a fresh llguidance matcher fed the tokens generated so far. For each mismatch we report the first differing
 position and, there, the reference's score for its own token minus its score for the
 token the run chose (the *margin*). A margin below the tolerance is a float near-tie
 (docs/design.md, "What is guaranteed"); anything else is *unexplained*.
@@ -98,7 +99,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
                                    bool(meta.get("allow_special_tokens", False)))
         run = list(r["completion_token_ids"])
         noise = _noise_for(meta, r, len(prompt_ids), model.device)
-        ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise)
+        mask = _mask_for(meta, r, tokenizer, eos, model.config.vocab_size, len(prompt_ids))
+        ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise, mask)
         report.checked += 1
         mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance)
         if mismatch is None:
@@ -145,23 +147,73 @@ def _noise_for(meta: dict, row: dict, prompt_len: int, device) -> KeyedGumbel | 
                        int(meta.get("top_k") or 0), float(_row_setting(meta, row, "top_p", 1.0)), device)
 
 
+class GrammarMask:
+    """A logits processor: the row's constraint, from a fresh llguidance matcher fed the tokens generated so far
+    (refused tokens, and ids past the tokenizer's vocabulary, at -inf; EOS only where the grammar accepts)."""
+
+    def __init__(self, constraint, llg_tokenizer, vocab: int, prompt_len: int):
+        from llguidance import LLMatcher
+        from llguidance.torch import allocate_token_bitmask
+
+        self.matcher = LLMatcher(llg_tokenizer, constraint.grammar(), log_level=0)
+        self.bitmask = allocate_token_bitmask(1, llg_tokenizer.vocab_size)
+        self.vocab, self.words, self.prompt_len = vocab, llg_tokenizer.vocab_size, prompt_len
+        self.fed = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from llguidance.torch import fill_next_token_bitmask
+
+        generated = input_ids[0, self.prompt_len :].tolist()
+        self.matcher.consume_tokens(generated[self.fed :])
+        self.fed = len(generated)
+        fill_next_token_bitmask(self.matcher, self.bitmask)
+        bits = (self.bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = torch.zeros(scores.shape[-1], dtype=torch.bool)
+        n = min(self.words, scores.shape[-1])
+        allowed[:n] = bits.reshape(-1)[:n].bool()
+        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+
+
+def _mask_for(meta: dict, row: dict, tokenizer, eos: list[int], vocab: int, prompt_len: int) -> GrammarMask | None:
+    """The row's constraint as the run had it: its response_format cell, else the job's (the run's metadata)."""
+    from . import constraints
+
+    constraint = None
+    column = meta.get("response_format_column")
+    if column and row.get(column) is not None:
+        constraint = constraints.from_response_format(row[column])
+    elif meta.get("constraint"):
+        constraint = constraints.Constraint(meta["constraint"]["kind"], meta["constraint"]["text"])
+    if constraint is None:
+        return None
+    key = (id(tokenizer), tuple(eos))
+    if key not in _LLG_TOKENIZERS:  # about a second each: once per run verified
+        _LLG_TOKENIZERS.clear()
+        _LLG_TOKENIZERS[key] = constraints.tokenizer_for(tokenizer, eos)
+    return GrammarMask(constraint, _LLG_TOKENIZERS[key], vocab, prompt_len)
+
+
+_LLG_TOKENIZERS: dict = {}
+
+
 @torch.no_grad()
 def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
-            noise: KeyedGumbel | None) -> tuple[list[int], list[torch.Tensor]]:
-    """Plain decoding of one prompt: the argmax of the logits, or of the noised scores for a sampled row."""
+            noise: KeyedGumbel | None, mask: GrammarMask | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain decoding of one prompt: the argmax of the (masked) logits, or of the noised scores for a sampled row."""
     from transformers import LogitsProcessorList
 
     input_ids = torch.tensor([prompt_ids], device=model.device)
+    processors = [p for p in (mask, noise) if p is not None]
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                         return_dict_in_generate=True, output_logits=noise is None, output_scores=noise is not None,
-                         logits_processor=LogitsProcessorList([noise] if noise is not None else []))
+                         return_dict_in_generate=True, output_logits=not processors, output_scores=bool(processors),
+                         logits_processor=LogitsProcessorList(processors))
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     for j, t in enumerate(tokens):
         if t in eos:
             tokens = tokens[: j + 1]
             break
-    return tokens, [step[0] for step in (out.logits if noise is None else out.scores)]
+    return tokens, [step[0] for step in (out.scores if processors else out.logits)]
 
 
 def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,

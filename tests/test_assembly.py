@@ -11,11 +11,11 @@ import pytest
 
 from batchspec_cli import models
 from batchspec_cli.config import GenerateConfig, UsageError
-from batchspec_cli.events import RowResult
+from batchspec_cli.events import RowResult, StepStats
 from batchspec_cli.job import Generation
 
 
-def run(tmp_path, name: str, target, draft, mode: str) -> tuple[dict[int, list[int]], Generation]:
+def run(tmp_path, name: str, target, draft, mode: str) -> tuple[dict[int, list[int]], Generation, list[StepStats]]:
     inp = tmp_path / "in.jsonl"
     if not inp.exists():
         inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("a b c", "d e", "f g h i", "j")))
@@ -23,20 +23,21 @@ def run(tmp_path, name: str, target, draft, mode: str) -> tuple[dict[int, list[i
                          draft=None if draft is None else str(draft), mode=mode, batch_size=2, max_new_tokens=5,
                          dtype="float64", quiet=True)
     with Generation.open(cfg) as job:
-        rows = {e.row: e.token_ids for e in job.events() if isinstance(e, RowResult)}
+        events = list(job.events())
         job.finish()
-    return rows, job
+    rows = {e.row: e.token_ids for e in events if isinstance(e, RowResult)}
+    return rows, job, [e for e in events if isinstance(e, StepStats)]
 
 
 def test_auto_that_never_speculates_never_loads_the_draft(tmp_path, tiny_model_dir, tiny_draft_dir):
     """A job too short for a trial (auto runs plain steps throughout) reads no draft weights; eqspec loads the
     draft at its first admission. Both write ar's completions."""
-    plain, _ = run(tmp_path, "ar", tiny_model_dir, None, "ar")
-    auto, job = run(tmp_path, "auto", tiny_model_dir, tiny_draft_dir, "auto")
+    plain, _, _ = run(tmp_path, "ar", tiny_model_dir, None, "ar")
+    auto, job, steps = run(tmp_path, "auto", tiny_model_dir, tiny_draft_dir, "auto")
     assert job.plan.draft is not None and job.plan.draft.loaded is None
-    assert job.plan.engine.draft is None and not any(s.k for s in job.stats if s.group_kind != "prefill")
-    eqspec, job = run(tmp_path, "eqspec", tiny_model_dir, tiny_draft_dir, "eqspec")
-    assert job.plan.draft.loaded is not None and any(s.k for s in job.stats)
+    assert job.plan.engine.draft is None and not any(s.k for s in steps if s.group_kind != "prefill")
+    eqspec, job, steps = run(tmp_path, "eqspec", tiny_model_dir, tiny_draft_dir, "eqspec")
+    assert job.plan.draft.loaded is not None and any(s.k for s in steps)
     assert auto == plain and eqspec == plain
 
 

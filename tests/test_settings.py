@@ -67,7 +67,8 @@ OLD_LABELS = {
 
 
 RECENT = {"input_format", "split", "config", "top_p_column", "stop_column", "logprobs", "logprobs_column",
-          "logprobs_mode", "allow_special_tokens"}  # recent=True: newer than OLD_LABELS
+          "logprobs_mode", "allow_special_tokens", "json_schema", "regex", "choice", "json",
+          "response_format_column"}  # recent=True: newer than OLD_LABELS
 
 
 def test_fingerprint_labels_are_unchanged_in_order():
@@ -84,7 +85,7 @@ def a_job(draft: bool) -> SimpleNamespace:
                          limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
                          seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
     model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
-    return SimpleNamespace(cfg=cfg, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
+    return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
                            eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,
@@ -171,7 +172,7 @@ def test_every_option_reaches_its_config_field(monkeypatch, tmp_path):
         kind = str(hints[s.field])
         value = 10 + n if "int" in kind else 0.25 + n if "float" in kind else f"v{n}"
         args += [flag, str(value)]
-        expected[s.field] = Path(value) if "Path" in kind else (value,) if s.name == "stop" else value
+        expected[s.field] = Path(value) if "Path" in kind else (value,) if s.name in ("stop", "choice") else value
     result = CliRunner().invoke(app, args)
     assert "cfg" in seen, result.output
     assert {field: getattr(seen["cfg"], field) for field in expected} == expected
