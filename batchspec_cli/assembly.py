@@ -12,7 +12,6 @@ admission.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,6 @@ class LazyDraft:
         self.name, folder = models.check_draft(spec, target, quiet)
         self.source = str(folder)
         self.packed = False
-        self.load_s = 0.0  # what loading it is expected to cost (assemble: what the target's load cost)
         self.loaded: models.LoadedModel | None = None
 
     def weight_bytes(self) -> int:
@@ -74,15 +72,11 @@ def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_name
              quiet: bool) -> Assembly:
     """Load the target, vet the draft (loaded on first use), apply ``--kernels``, read the EOS ids, build the
     engine of ``mode`` with these drafters."""
-    started = time.perf_counter()
     target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=quiet)
     draft = LazyDraft(draft_spec, target, cfg.dtype, cfg.device, quiet) if draft_spec is not None else None
     kernels_run, notes = use_kernels(cfg.kernels, target, pending_bytes=draft.weight_bytes() if draft else 0)
     if draft is not None:
         draft.packed = kernels_run == "packed"
-        # Loading a draft costs about what the target's load cost, not a share by weight: the shipped 29 MB draft
-        # took 1.4 s of CPU against the 540 MB target's 1.1 s (its layers are built, then its head is gathered).
-        draft.load_s = time.perf_counter() - started
     eos_ids = models.eos_ids(target.model, target.tokenizer)
     engine = build_engine(cfg, mode, target, draft, eos_ids, lookup_names)
     return Assembly(engine, target, draft, eos_ids, kernels_run, notes)
@@ -98,7 +92,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings
     return Engine(target_handle, draft.handle if draft else None, eos_ids, econf, stop_checker=checker,
-                  lookups=drafters.make(lookup_names), draft_load_s=draft.load_s if draft else 0.0)
+                  lookups=drafters.make(lookup_names))
 
 
 def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0) -> tuple[str, list[str]]:

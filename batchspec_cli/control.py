@@ -311,7 +311,6 @@ class Arms:
         self.tokens_left: int | None = None  # the most tokens the job has left (None: unknown)
         self.spent = [0, 0.0]  # the current trial's tokens and seconds, all its windows
         self.price: dict[str, float] = {}  # per arm: what its last lost trial cost, in seconds (``affordable``)
-        self.load_s = 0.0  # what loading the draft model would add to a first SPEC trial (0: loaded, or none)
 
     def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0) -> float | None:
         """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
@@ -345,9 +344,8 @@ class Arms:
         """Whether a trial of ``arm`` may start now, when the job's work left is known (else always). Not without
         room for it: ``TRIAL_ROOM`` windows of work (a trial's two windows, and as much again to pay back in). And
         only if its price is at most ``share`` of the time the work left takes at the incumbent's rate: what the
-        arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds),
-        half a window at ``CUT_BELOW`` of the incumbent's rate and the loading of a draft model not loaded yet
-        (``load_s``; a first PLAIN trial prepares nothing). A short
+        arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds)
+        and half a window at ``CUT_BELOW`` of the incumbent's rate (a first PLAIN trial prepares nothing). A short
         job is not spent on a trial a long one would amortise."""
         if self.share is None or self.tokens_left is None or self.baseline <= 0 or self.round_s <= 0:
             return True
@@ -355,8 +353,7 @@ class Arms:
         window_s = max(WINDOW_SECONDS, WINDOW_ROUNDS * self.round_s)
         if time_left < TRIAL_ROOM * window_s:
             return False
-        first = (TRIAL_PRICE * self.round_s + CUT_AT * (1 - CUT_BELOW) * window_s + self.load_s) if arm == SPEC \
-            else 0.0
+        first = TRIAL_PRICE * self.round_s + CUT_AT * (1 - CUT_BELOW) * window_s if arm == SPEC else 0.0
         return self.price.get(arm, first) <= self.share * time_left
 
     def _decide(self, rate: float) -> None:
@@ -571,11 +568,9 @@ class Goodput(FixedK):
 class Auto:
     """``--mode auto``: PLAIN against SPEC by measured throughput (``Arms``); SPEC is ``Goodput``."""
 
-    def __init__(self, max_k: int, draft_load_s: float = 0.0):
-        """``draft_load_s``: what loading the draft model at the first SPEC trial will cost (estimated; 0: none)."""
+    def __init__(self, max_k: int):
         self.k = max_k
         self.arms = Arms(TRIAL_SHARE)
-        self.arms.load_s = draft_load_s
         self.spec = Goodput(max_k)
         self.owed_s = 0.0  # draft prefills PLAIN windows did for SPEC, charged to SPEC's next round
         self.drafting = 1.0  # the moving share of SPEC's rounds that speculated (k > 0)
@@ -585,7 +580,6 @@ class Auto:
 
     def seed(self, calibration: Calibration) -> None:
         self.spec.seed(calibration)
-        self.arms.load_s = 0.0  # the draft is loaded by now: a later trial is priced at what a lost one cost
 
     def wants_draft(self) -> bool:
         """Draft prefills at admission while SPEC's ruler says a current draft pays and SPEC holds, or PLAIN holds

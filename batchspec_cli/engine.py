@@ -173,11 +173,9 @@ def _contiguous_first(free: list[int], n: int) -> list[int]:
 class Engine:
     def __init__(self, target: ModelHandle, draft: ModelHandle | Callable[[], ModelHandle] | None, eos_ids: list[int],
                  cfg: EngineConfig, stop_checker: StopChecker | None = None,
-                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None,
-                 draft_load_s: float = 0.0):
+                 lookups: list[drafting.Drafter] | None = None, policy: Policy | None = None):
         """``draft``: the draft model, or a function that loads it, called when the draft is first used (auto:
-        at its first speculative trial; eqspec and exspec: at their first admission); ``draft_load_s``: what that
-        load will cost, estimated (auto prices its first trial with it)."""
+        at its first speculative trial; eqspec and exspec: at their first admission)."""
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
@@ -205,8 +203,7 @@ class Engine:
         self._models = contextlib.ExitStack()  # the run's folded attention, entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
         if policy is None:
-            policy = (Auto(self.max_k, draft_load_s if self._load_draft is not None else 0.0)
-                      if cfg.mode == "auto" and self.max_k else FixedK(self.max_k))
+            policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
         self.policy: Policy = policy
 
     # ------------------------------------------------------------------ public

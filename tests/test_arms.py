@@ -262,24 +262,3 @@ def test_the_plain_arm_asks_for_no_calibration_and_no_draft_prefill():
     assert choice.k == 0 and choice.arm == PLAIN
     policy.arms.arm = SPEC
     assert policy.wants_seed()
-
-
-def test_a_first_trial_that_must_load_the_draft_is_priced_with_the_load():
-    """A first SPEC trial that has to load the draft model first costs that load too: work that pays for the
-    calibration and half a window alone is not enough; once the price with the load fits, the trial starts."""
-    rates = {PLAIN: 100.0, SPEC: 120.0}
-    window_s = WINDOW_ROUNDS * ROUND_S
-    price = TRIAL_PRICE * ROUND_S + CUT_AT * (1 - CUT_BELOW) * window_s
-    load_s = 2 * price
-    window = WINDOW_ROUNDS * ROUND_S * rates[PLAIN]
-    work = 1.5 * price / TRIAL_SHARE * rates[PLAIN] + window  # pays for the trial without the load, not with it
-
-    def arms(load: float) -> Arms:
-        a = Arms(TRIAL_SHARE)
-        a.load_s = load
-        return a
-
-    assert drive_left(rates, 6, work, arms(0.0))[:2] == [PLAIN, SPEC]
-    assert drive_left(rates, 6, work, arms(load_s)) == [PLAIN] * 6
-    enough = (price + load_s) / TRIAL_SHARE * rates[PLAIN]
-    assert drive_left(rates, 6, 1.1 * enough + window, arms(load_s))[:2] == [PLAIN, SPEC]

@@ -35,7 +35,6 @@ def test_auto_that_never_speculates_never_loads_the_draft(tmp_path, tiny_model_d
     auto, job = run(tmp_path, "auto", tiny_model_dir, tiny_draft_dir, "auto")
     assert job.plan.draft is not None and job.plan.draft.loaded is None
     assert job.plan.engine.draft is None and not any(s.k for s in job.stats if s.group_kind != "prefill")
-    assert job.plan.engine.policy.arms.load_s > 0  # a first trial would have been priced with the draft's load
     eqspec, job = run(tmp_path, "eqspec", tiny_model_dir, tiny_draft_dir, "eqspec")
     assert job.plan.draft.loaded is not None and any(s.k for s in job.stats)
     assert auto == plain and eqspec == plain
