@@ -188,6 +188,17 @@ def test_each_row_verifies_the_proposal_with_the_most_expected_accepted_tokens()
     assert (choice.k, choice.source, choice.drafters) == (4, "lookup", ["ngram", "suffix", ""])
 
 
+def test_a_grammar_s_forced_run_outranks_a_longer_unmeasured_suffix_draft():
+    """Before any evidence a grammar's forced tokens are expected to be accepted (they are the only tokens the row's
+    mask allows): its 3 forced tokens outrank suffix's 5 at the general prior; evidence still decides later."""
+    policy = FixedK(5)
+    sources = {"grammar": Offer([3, 0]), "suffix": Offer([5, 5])}
+    assert policy.rank(rows(2), sources) == (["grammar", "suffix"], [3, 5])
+    for _ in range(30):  # a model that keeps writing another tokenization of the forced text
+        policy.acceptance.observe(("grammar", 0), 3, 0)
+    assert policy.rank(rows(2), sources)[0] == ["suffix", "suffix"]
+
+
 def measured_model_policy(feed_per_column: float) -> Goodput:
     """SPEC with a flat 0.1 s round at any k, rows that accept 3 of 5 model drafts, every model k measured once;
     calibrated so that each column a lagging draft is fed costs ``feed_per_column`` x 8 rows (s)."""
