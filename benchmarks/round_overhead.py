@@ -77,7 +77,7 @@ def measure(repo: Path, args, mode: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repo", type=Path, nargs="+", default=[ROOT])
+    parser.add_argument("--repo", type=Path, nargs="+", action="extend", help="checkouts (repeatable)")
     parser.add_argument("--modes", nargs="+", default=["ar", "exspec"])
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=24)
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    args.repo = args.repo or [ROOT]
     samples = {(str(r), m): [] for r in args.repo for m in args.modes}
     for _ in range(args.repeats):
         for mode in args.modes:

@@ -331,16 +331,16 @@ def test_sigterm_during_the_final_write(tmp_path, job_dir, model, monkeypatch, r
     """One SIGTERM while OUT is written lets it finish; a second stops at once, every row still saved."""
     inp, out = job_dir
     log = tmp_path / "log.jsonl"
-    real = outputs.write_completions
+    real = outputs.write_parquet_stream_atomic  # the finish writes OUT (then the statistics)
 
     def write_under_signals(*args, **kwargs):
         for _ in range(signals):
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(outputs, "write_completions", write_under_signals)
+    monkeypatch.setattr(outputs, "write_parquet_stream_atomic", write_under_signals)
     result = generate(inp, out, model, "--log-json", log)
-    monkeypatch.setattr(outputs, "write_completions", real)
+    monkeypatch.setattr(outputs, "write_parquet_stream_atomic", real)
     assert "Traceback" not in result.output
     if signals == 1:
         assert result.exit_code == 0 and rows(out) == reference
