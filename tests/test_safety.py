@@ -333,9 +333,13 @@ def test_sigterm_during_the_final_write(tmp_path, job_dir, model, monkeypatch, r
     log = tmp_path / "log.jsonl"
     real = outputs.write_parquet_stream_atomic  # the finish writes OUT (then the statistics)
 
+    calls = []
+
     def write_under_signals(*args, **kwargs):
-        for _ in range(signals):
-            os.kill(os.getpid(), signal.SIGTERM)
+        if not calls:  # while OUT is written, not the statistics file after it
+            for _ in range(signals):
+                os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(args[0])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(outputs, "write_parquet_stream_atomic", write_under_signals)
