@@ -10,16 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .events import RowResult, StepStats, TokenLogprob
 from .files import replace_atomic
-
-if TYPE_CHECKING:
-    from .inputs import InputTable
 
 OUTPUT_COLUMNS: tuple[str, ...] = (
     "id",
@@ -46,17 +43,18 @@ def stats_path_for(out: Path) -> Path:
 
 
 def write_completions(
-    out: Path, inp: InputTable, results: list[RowResult], texts: list[str], metadata: dict,
+    out: Path, table: pa.Table, ids: list[str], results: list[RowResult], texts: list[str], metadata: dict,
     token_text: Callable[[int], str] | None = None,
 ) -> None:
-    """Write one row per input row, in input order; `texts[i]` is the text of `results[i]`.
+    """Write one row per input row (``table``, its row ids ``ids``), in input order, in one piece; `texts[i]` is
+    the text of `results[i]`. (A job's finish streams the same rows range by range: ``completions_table``.)
 
     Input columns pass through in place; an input `id` column (necessarily the id column,
     read_input refuses other clashes) is replaced in place by the string ids, otherwise
     `id` is appended after the input columns. The output columns follow, then
     `completion_logprobs` when `token_text` (a token id's text) is given.
     """
-    n = inp.table.num_rows
+    n = table.num_rows
     if len(texts) != len(results):
         raise RuntimeError(f"{len(texts)} texts for {len(results)} results")
     by_row: list[tuple[RowResult, str] | None] = [None] * n
@@ -69,13 +67,13 @@ def write_completions(
     missing = [i for i, r in enumerate(by_row) if r is None]
     if missing:
         raise RuntimeError(f"no result for rows {missing[:10]}")
-    clashes = [c for c in inp.table.column_names if c in OUTPUT_COLUMNS + EXTRA_OUTPUT_COLUMNS and c != "id"]
+    clashes = [c for c in table.column_names if c in OUTPUT_COLUMNS + EXTRA_OUTPUT_COLUMNS and c != "id"]
     if clashes:
         raise RuntimeError(f"input columns clash with output columns: {clashes}")
 
     pairs: list[tuple[RowResult, str]] = by_row  # type: ignore[assignment]
-    table = completions_table(inp.table, inp.ids, [r for r, _ in pairs], [t for _, t in pairs], token_text)
-    _write_atomic(Path(out), table, metadata)
+    rows = completions_table(table, ids, [r for r, _ in pairs], [t for _, t in pairs], token_text)
+    _write_atomic(Path(out), rows, metadata)
 
 
 def completions_table(table: pa.Table, ids, results: list[RowResult], texts: list[str],

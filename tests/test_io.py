@@ -517,7 +517,7 @@ def test_write_completions_round_trip(tmp_path):
     results[1].finish_reason, results[1].error = "error", "prompt too long"  # row 0
     out = tmp_path / "out.parquet"
     meta = {"target": "m", "k": 5, "seed": 0, "versions": {"torch": "2.13"}}
-    write_completions(out, inp, results, texts, meta)
+    write_completions(out, inp.table, inp.ids, results, texts, meta)
 
     table = read_completions(out)
     assert table.column_names == ["id", "prompt", "category", *OUTPUT_COLUMNS[1:]]
@@ -542,7 +542,7 @@ def test_write_completions_round_trip(tmp_path):
 def test_write_completions_integer_ids_become_strings(tmp_path):
     inp = read_input(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "id": 5}, {"prompt": "b", "id": 6}]))
     results, texts = results_for(inp)
-    write_completions(tmp_path / "out.parquet", inp, results, texts, {})
+    write_completions(tmp_path / "out.parquet", inp.table, inp.ids, results, texts, {})
     table = read_completions(tmp_path / "out.parquet")
     assert table.column_names[:2] == ["prompt", "id"]  # replaced in place
     assert table.column("id").to_pylist() == ["5", "6"]
@@ -551,7 +551,7 @@ def test_write_completions_integer_ids_become_strings(tmp_path):
 def test_write_completions_without_id_column(tmp_path):
     inp = read_input(write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "n": 1}, {"prompt": "b", "n": 2}]))
     results, texts = results_for(inp, [1, 0])
-    write_completions(tmp_path / "out.parquet", inp, results, texts, {})
+    write_completions(tmp_path / "out.parquet", inp.table, inp.ids, results, texts, {})
     table = read_completions(tmp_path / "out.parquet")
     assert table.column_names[:3] == ["prompt", "n", "id"]
     assert table.column("id").to_pylist() == ["0", "1"]
@@ -562,7 +562,7 @@ def test_write_completions_missing_row_is_a_bug(tmp_path):
     results, texts = results_for(inp, [0, 2])
     out = tmp_path / "out.parquet"
     with pytest.raises(RuntimeError, match="row"):
-        write_completions(out, inp, results, texts, {})
+        write_completions(out, inp.table, inp.ids, results, texts, {})
     assert not out.exists()
 
 
@@ -580,7 +580,7 @@ def test_write_is_atomic(tmp_path, monkeypatch, existing):
 
     monkeypatch.setattr(pq, "write_table", half_write)
     with pytest.raises(OSError, match="No space"):
-        write_completions(out, inp, results, texts, {"k": 1})
+        write_completions(out, inp.table, inp.ids, results, texts, {"k": 1})
     if existing:
         assert out.read_bytes() == b"previous run"
         assert [p.name for p in tmp_path.iterdir()] == ["out.parquet"]
@@ -668,7 +668,7 @@ def _read_and_write(data: bytes, limit):
         assert len(inp.prompts) == len(inp.ids) == inp.table.num_rows >= 1
         # whatever read_input accepts can be written out
         results, texts = results_for(inp, random.Random(0).sample(range(len(inp.ids)), len(inp.ids)))
-        write_completions(Path(d) / "out.parquet", inp, results, texts, {"fuzz": True})
+        write_completions(Path(d) / "out.parquet", inp.table, inp.ids, results, texts, {"fuzz": True})
         assert read_completions(Path(d) / "out.parquet").column("id").to_pylist() == inp.ids
 
 
@@ -716,7 +716,7 @@ def test_fuzz_parquet_tables_truncated_or_corrupted(rows, cut, flip):
             assert "fuzz.parquet" in str(e) and "\n" not in str(e)
             return
         results, texts = results_for(inp)
-        write_completions(Path(d) / "out.parquet", inp, results, texts, {"fuzz": True})
+        write_completions(Path(d) / "out.parquet", inp.table, inp.ids, results, texts, {"fuzz": True})
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
