@@ -205,6 +205,23 @@ class GrammarDrafter(_Unlearning):
                        self.name)
 
 
+def continue_forced(proposals: dict[str, Proposal]) -> None:
+    """Where another drafter's proposal for a row begins with the grammar's whole forced run and goes on, that
+    row's ``grammar`` proposal becomes it: the forced tokens are the target's constrained choice, and what follows
+    them is the other drafter's guess, verified as any draft (so no output changes). In place."""
+    forced = proposals.get("grammar")
+    if forced is None or not any(forced.lengths):
+        return
+    others = [p for name, p in proposals.items() if name != "grammar"]
+    runs = forced.tokens.tolist()  # [G, k]
+    for i, f in enumerate(forced.lengths):
+        longest = max((p for p in others if p.lengths[i] > f and p.tokens[i, :f].tolist() == runs[i][:f]),
+                      key=lambda p: p.lengths[i], default=None) if f else None
+        if longest is not None:
+            forced.tokens[i] = longest.tokens[i]
+            forced.lengths[i] = longest.lengths[i]
+
+
 def make(names: list[str]) -> list:
     """Model-free drafters by name, in a fixed order (the policy ranks their proposals per row)."""
     kinds = {"ngram": NgramDrafter, "suffix": SuffixDrafter, "grammar": GrammarDrafter}

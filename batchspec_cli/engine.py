@@ -569,6 +569,7 @@ class Engine:
             proposal = drafter.propose(rows, self.max_k)
             proposal.lengths = [min(n, r) for n, r in zip(proposal.lengths, room)]
             proposals[drafter.name] = proposal
+        drafting.continue_forced(proposals)  # a grammar's forced run, continued where another drafter agrees
         return proposals
 
     def _choose(self, slots: list[int], proposals: dict[str, Proposal]) -> Choice:

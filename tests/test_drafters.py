@@ -82,3 +82,16 @@ def test_rows_without_a_match_verify_one_token(target):
     first = [s for s in stats if s.group_kind != "prefill"][0]
     assert first.drafted == 4 and first.k == 4  # only the looped row drafted
     assert results[1].drafted_tokens >= 4
+
+
+def test_a_forced_run_is_continued_only_by_a_proposal_that_begins_with_all_of_it():
+    """Row 0: suffix begins with the forced run and goes on, so grammar proposes the longer run. Row 1: suffix
+    disagrees within the forced run, so the grammar keeps its own. Row 2: nothing forced, nothing changes."""
+    grammar = drafters._padded([[7, 8], [7, 8], []], 5, "grammar")
+    suffix = drafters._padded([[7, 8, 9, 10], [7, 3, 9, 10], [1, 2]], 5, "suffix")
+    ngram = drafters._padded([[7, 8, 9], [], []], 5, "ngram")
+    proposals = {"ngram": ngram, "suffix": suffix, "grammar": grammar}
+    drafters.continue_forced(proposals)
+    assert grammar.lengths == [4, 2, 0] and grammar.tokens[0, :4].tolist() == [7, 8, 9, 10]
+    assert grammar.tokens[1, :2].tolist() == [7, 8]
+    assert suffix.lengths == [4, 4, 2] and ngram.lengths == [3, 0, 0]  # the others are left as they were

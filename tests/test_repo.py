@@ -52,8 +52,8 @@ def test_torch_is_a_range_and_pinned_only_in_the_install_commands():
     assert len(commands) == 2 and "pip install -e ." in commands[0] and "pip install -e '.[test" in commands[1]
 
 
-def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+def readme_section(title: str, doc: str = "README.md") -> str:
+    text = (ROOT / doc).read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return " ".join(text[start: end if end != -1 else len(text)].split())
@@ -66,5 +66,5 @@ def test_readme_promises_only_what_holds():
     for claim in ("The distribution is exact", "identical up to float near-ties", "float64", "float32 and bfloat16",
                   "Greedy and sampled rows alike", "`batchspec verify`", "near-tie", "unexplained"):
         assert claim in guaranteed, claim
-    size = readme_section("Repository size")
+    size = readme_section("Repository size", "docs/operations.md")  # the policy for maintainers, out of the README
     assert "at least 3 points of held-out acceptance" in size and "replaces" in size and "not rewritten" in size
