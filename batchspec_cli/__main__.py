@@ -9,12 +9,19 @@ import sys
 
 
 def main() -> None:
+    from . import interrupts
+
     try:
-        from .cli import app
+        with interrupts.kept() as swallowed:  # a Ctrl-C that lands in a finalizer while transformers imports
+            from .cli import app
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted before anything was done\n")
-        raise SystemExit(130) from None
-    app()
+        pass
+    else:
+        if not swallowed:
+            app()
+            return
+    sys.stderr.write("interrupted before anything was done\n")
+    raise SystemExit(130)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from . import __version__  # from importlib.metadata
+from . import __version__, interrupts  # from importlib.metadata; interrupts imports nothing heavy
 from .checkpoint import CheckpointError
 from .config import DEFAULT, GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
@@ -47,7 +47,8 @@ from .errors import InputError, one_line
 from .events import NonFiniteLogits, RowResult, StepStats
 from .files import check_distinct, naming
 from .inputs import TEXT_COLUMNS, read_input
-from .job import BucketDone, Generation, Interrupted, Started
+from .interrupts import StopNow
+from .job import BucketDone, Generation, Interrupted, Started, work_dir_for
 from .outputs import stats_path_for
 from .stats import acceptance_length
 
@@ -231,15 +232,20 @@ def generate(
         raise fail(f"--log-json {log_json}: cannot open for writing ({exc.strerror or exc})") from None
     with log:
         try:
-            with _raise_on_signals():
+            with _raise_on_signals(), interrupts.kept() as swallowed:
                 job = Generation.open(cfg)
+                if swallowed:  # a finalizer swallowed the stop: act on it all the same
+                    job.close()
+                    raise StopNow(swallowed[0])
         except UsageError as exc:
             log.write("error", message=str(exc), exit_code=EXIT_USAGE)
             raise fail(str(exc)) from None
         except (KeyboardInterrupt, StopNow) as exc:  # while the input is read or the models load: nothing saved yet
-            code = 128 + getattr(exc, "signum", signal.SIGINT)
+            code = 128 + interrupts.signal_of(exc)
             log.write("interrupted", signal=_signal_name(code - 128), rows_saved=0, total_rows=None, exit_code=code)
-            err.print("interrupted before any row was generated; nothing was written", highlight=False)
+            prepared = work_dir_for(output).exists()  # the job was planned before the stop was seen: it resumes
+            err.print(f"interrupted before any row was generated; "
+                      f"{'rerun the same command to resume' if prepared else 'nothing was written'}", highlight=False)
             raise typer.Exit(code=code) from None
         with job, contextlib.ExitStack() as stack:
             executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
@@ -267,14 +273,6 @@ class JsonLog:
     def __exit__(self, *exc) -> None:
         if self.file is not None:
             self.file.close()
-
-
-class StopNow(BaseException):
-    """A second SIGINT / SIGTERM / SIGHUP: stop at once (what is saved stays saved; temporary files are removed)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 @contextlib.contextmanager
@@ -425,7 +423,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
     except (KeyboardInterrupt, StopNow) as exc:  # a second signal: the finished rows are saved all the same
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
-                              signal=getattr(exc, "signum", signal.SIGINT))
+                              signal=interrupts.signal_of(exc))
     except (OSError, CheckpointError, NonFiniteLogits) as exc:  # the machine, the work directory, the model: one line
         events.close()
         message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)

@@ -505,3 +505,33 @@ def test_an_output_that_a_glob_input_matches_is_refused(tmp_path):
     with pytest.raises(InputError, match="is the input"):
         check_distinct([shards / "*.parquet"], [("OUT", shards / "b.parquet")])
     check_distinct([shards / "*.parquet"], [("OUT", tmp_path / "out.parquet")])  # elsewhere: fine
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_that_lands_in_a_finalizer_while_the_models_load_still_stops(tmp_path, job_dir, model, monkeypatch,
+                                                                              reference, sig):
+    """Python swallows an exception raised in __del__ ("Exception ignored in"); the stop must not be lost with it."""
+    from batchspec_cli import models
+
+    inp, out = job_dir
+    real = models.load_model
+
+    class SignalledWhileFinalized:
+        def __del__(self):
+            os.kill(os.getpid(), sig)
+            for _ in range(1000):  # the handler runs at a bytecode boundary inside this finalizer
+                pass
+
+    def load_with_a_finalizer(*args, **kwargs):
+        SignalledWhileFinalized()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(models, "load_model", load_with_a_finalizer)
+    result = generate(inp, out, model)
+    monkeypatch.setattr(models, "load_model", real)
+    assert result.exit_code == 128 + sig, result.output
+    assert "Traceback" not in result.output and "Exception ignored" not in result.output, result.output
+    assert "before any row was generated" in result.output and not out.exists()
+    if "nothing was written" not in result.output:  # the job was planned before the stop was seen
+        assert "rerun the same command to resume" in result.output and (work_dir_for(out) / "job.json").exists()
+    assert generate(inp, out, model).exit_code == 0 and rows(out) == reference
