@@ -10,7 +10,9 @@ through one interface (``Policy``):
 
 ``--mode ar|eqspec|exspec`` run ``FixedK``. ``--mode auto`` runs ``Auto``: two whole
 policies (*arms*) judged by measured throughput over windows of rounds (``Arms``): PLAIN
-(k = 0 every round, no calibration, no draft prefill, no draft model loaded) and SPEC (each
+(plain steps, no calibration, no draft prefill, no draft model loaded; on a constrained row
+it also verifies the grammar's forced runs, the target's own choice, where their width pays)
+and SPEC (each
 round's drafter and k by expected goodput, ``Goodput``: ``sum_i E_i(k) / cost(option)``,
 ``E_i(k) = (1 - a_i^(k_i+1)) / (1 - a_i)``). When trials start, what they are charged, and
 the measurements behind each constant: docs/design.md, "The speculation policy in detail".
@@ -28,12 +30,17 @@ PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 # the only tokens its mask allows, so they are refused only where the model writes another tokenization of the
 # forced text (measured on SmolLM2: 144 of 144 accepted, docs/performance.md)
 DRAFTER_PRIORS = {"grammar": 0.95}
+FORCED = ("grammar",)  # drafters whose drafts are the target's own choice: PLAIN takes them too (``Auto.choose``)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
 DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
 EXPLORE_EVERY = 25  # rounds of a group size between two re-measurements of a near-best option
 NEAR_BEST = 0.85  # options within this share of the best goodput may be re-measured
 OUTLIER = 3.0  # a round measured at more than this x its estimate counts as this x
+# A verify of k + 1 tokens is priced at (1 + WIDTH_PRIOR * k) plain steps until a real round of that width is
+# measured (only PLAIN's forced rounds need it: SPEC's are seeded by calibration). This CPU measured 0.13 per
+# token at batch 1 and 0.25-0.35 at batch 8-16 (DESIGN 12), a GPU about 0: the prior is the pessimistic side.
+WIDTH_PRIOR = 0.5
 JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
 PLAIN, SPEC = "plain", "spec"
@@ -148,8 +155,8 @@ class Policy(Protocol):
         """Whether the engine should fill its whole pool (rows at many lengths, for speculation to group), or
         hold one batch: rows that only take plain steps stay in step and need no pool."""
 
-    def drafts(self) -> bool:
-        """Whether the next choice may take a draft; else the engine asks no drafter for a proposal."""
+    def proposing(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """Which of the model-free drafters ``names`` propose before the next choice (the engine asks no other)."""
 
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice: ...
 
@@ -402,8 +409,8 @@ class FixedK:
     def wants_pool(self) -> bool:
         return self.k > 0
 
-    def drafts(self) -> bool:
-        return self.k > 0
+    def proposing(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return names if self.k > 0 else ()
 
     def rank(self, group: Group, sources: dict[str, Offer]) -> tuple[list[str], list[int]]:
         """Each row's model-free draft: the drafter with the most expected accepted tokens, ``sum_j a^(j+1)``
@@ -491,6 +498,9 @@ class Goodput(FixedK):
     def _cost(self, group: Group, source: str, k: int, catch_up: int, per_round: float) -> float | None:
         size = len(group.rows)
         cost = self.rounds.get(size, group.context, (source if k else "", k))
+        if cost is None and source == "lookup":  # not seeded, not yet measured: the prior's price of its width
+            plain = self.rounds.get(size, group.context, ("", 0))
+            cost = plain * (1.0 + WIDTH_PRIOR * k) if plain is not None else None
         if cost is not None and source == "model" and catch_up > 2:  # the extra columns serve the rows' rest
             cost += (catch_up - 2) * self.feed_per_column * size * min(1.0, per_round)
         return cost
@@ -600,16 +610,27 @@ class Auto:
         whose ruler picks plain steps does not pay for growing the KV of rows it will not group."""
         return self.arms.arm == SPEC and self.arms.incumbent == SPEC and self.drafting >= POOL_DRAFTING
 
-    def drafts(self) -> bool:
-        """Only SPEC's rounds draft: PLAIN's ask no drafter (the suffix drafts cost 1-2 % of a plain job)."""
-        return self.arms.arm == SPEC
+    def proposing(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """SPEC's rounds ask every drafter; PLAIN's only the grammar, whose forced runs are the target's own choice
+        (the suffix drafts cost 1-2 % of a plain job)."""
+        return names if self.arms.arm == SPEC else tuple(n for n in names if n in FORCED)
 
     def choose(self, group: Group, sources: dict[str, Offer]) -> Choice:
         if self.arms.arm == PLAIN:
-            return Choice(0, expected_tokens=float(len(group.rows)), arm=PLAIN)
+            return self._plain(group, sources)
         self.spec.horizon = None if self.arms.incumbent == SPEC else TRIAL_ROUNDS
         choice = self.spec.choose(group, sources)
         choice.arm = SPEC
+        return choice
+
+    def _plain(self, group: Group, sources: dict[str, Offer]) -> Choice:
+        """PLAIN's round: a plain step, or the grammar's forced runs verified in one forward where their expected
+        tokens pay for its width (``Goodput`` over the forced offers alone). A forced token is the only one the
+        row's mask allows, so it is the target's choice whatever the logits say: no guess is taken, and a PLAIN
+        that takes them stays the target's plain decoding, fewer forwards apart."""
+        forced = {name: offer for name, offer in sources.items() if name in FORCED}
+        choice = self.spec.choose(group, forced) if forced else Choice(0, expected_tokens=float(len(group.rows)))
+        choice.arm = PLAIN
         return choice
 
     def observe(self, report: RoundReport) -> float | None:

@@ -480,7 +480,7 @@ class Engine:
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, rows_index, pad, T))
             clock.mark("calibrated")
-        proposals = self._lookup_proposals(slots) if self.policy.drafts() else {}
+        proposals = self._lookup_proposals(slots, self.policy.proposing(tuple(d.name for d in self.lookups)))
         choice = self._choose(slots, proposals)
         k = choice.k
         noise = self._noise(slots, rows_index, k)
@@ -557,15 +557,15 @@ class Engine:
             return "ar"
         return "realigned" if plan.realigns else "same_length"
 
-    def _lookup_proposals(self, slots: list[int]) -> dict[str, Proposal]:
-        """Every model-free drafter's proposal for the group (K columns), cut where a row's limit is reached."""
-        if not self.lookups or not self.max_k:
+    def _lookup_proposals(self, slots: list[int], names: tuple[str, ...]) -> dict[str, Proposal]:
+        """The named model-free drafters' proposals for the group (K columns), cut where a row's limit is reached."""
+        if not names or not self.max_k:
             return {}
         state = self.state
         rows = Rows([state.rows[s].row for s in slots])
         room = [max(0, min(self.max_k, state.limit[s] - len(state.ids[s]) - 1)) for s in slots]
         proposals = {}
-        for drafter in self.lookups:  # no draft past the end
+        for drafter in (d for d in self.lookups if d.name in names):  # no draft past the end
             proposal = drafter.propose(rows, self.max_k)
             proposal.lengths = [min(n, r) for n, r in zip(proposal.lengths, room)]
             proposals[drafter.name] = proposal

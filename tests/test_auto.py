@@ -199,6 +199,45 @@ def test_a_grammar_s_forced_run_outranks_a_longer_unmeasured_suffix_draft():
     assert policy.rank(rows(2), sources)[0] == ["suffix", "suffix"]
 
 
+def plain_auto(step_s: float = 0.2, group: int = 8) -> Auto:
+    """Auto in its PLAIN arm, with plain steps of ``group`` rows measured at ``step_s`` seconds."""
+    policy = Auto(5)
+    for _ in range(3):
+        policy.observe(report(group, "", 0, step_s, arm=PLAIN))
+    assert policy.arms.arm == PLAIN
+    return policy
+
+
+def test_plain_asks_only_the_grammar_and_spec_asks_every_drafter():
+    policy = Auto(5)
+    assert policy.proposing(("suffix", "grammar")) == ("grammar",)
+    assert policy.proposing(("suffix", "ngram")) == ()
+    policy.arms.arm = SPEC
+    assert policy.proposing(("suffix", "grammar")) == ("suffix", "grammar")
+    assert FixedK(0).proposing(("grammar",)) == () and FixedK(3).proposing(("grammar",)) == ("grammar",)
+
+
+def test_plain_verifies_forced_runs_only_where_they_pay_for_the_width():
+    policy = plain_auto()
+    everyone = policy.choose(rows(8), {"grammar": Offer([4] * 8)})  # every row forced: one forward serves 4 tokens
+    assert everyone.arm == PLAIN and everyone.k >= 1 and everyone.source == "lookup"
+    assert everyone.drafters == ["grammar"] * 8
+    policy = plain_auto()
+    one = policy.choose(rows(8), {"grammar": Offer([4] + [0] * 7)})  # one row in 8: the width costs the other 7
+    assert one.k == 0 and one.arm == PLAIN
+    assert policy.choose(rows(8), {"suffix": Offer([5] * 8)}).k == 0  # a guess is SPEC's to take, never PLAIN's
+    assert plain_auto().choose(rows(8), {}).k == 0
+
+
+def test_plain_prices_a_forced_width_by_its_measured_rounds_once_it_has_them():
+    policy = plain_auto()
+    offers = {"grammar": Offer([1] * 8)}
+    assert policy.choose(rows(8), offers).k == 1  # the prior: 2 tokens a row for 1.5 steps
+    for _ in range(5):  # measured: a 2-token verify costs 2.5 plain steps here
+        policy.observe(report(8, "lookup", 1, 0.5, tokens=16, arm=PLAIN))
+    assert policy.choose(rows(8), offers).k == 0
+
+
 def measured_model_policy(feed_per_column: float) -> Goodput:
     """SPEC with a flat 0.1 s round at any k, rows that accept 3 of 5 model drafts, every model k measured once;
     calibrated so that each column a lagging draft is fed costs ``feed_per_column`` x 8 rows (s)."""

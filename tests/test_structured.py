@@ -174,6 +174,17 @@ def test_speculation_equals_reference(target, draft, references, mode, batch, k,
     assert sum(r.drafted_tokens for r in results.values()) > 0
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_auto_takes_forced_runs_while_plain_and_equals_reference(target, draft, references, batch):
+    """``auto`` itself (its arms, its PLAIN first): PLAIN verifies the grammar's forced runs where they pay, and
+    every row is still the per-prompt constrained decode."""
+    results = run(target, [prompt_ids(i) for i in range(16)], cycle, mode="auto", batch=batch, k=4, draft=draft,
+                  lookups=["grammar", "suffix"])
+    for i, r in results.items():
+        assert r.token_ids == references[i], (i, cycle(i).kind)
+    assert sum(r.accepted_tokens for r in results.values()) > 0
+
+
 def test_grammar_drafts_are_accepted(target, references):
     """On a character-unambiguous grammar (a choice between words with no shared merges) forced drafts are the
     target's own choice: every one is accepted, and the rows are those of plain decoding."""
