@@ -120,5 +120,5 @@ class StepStats:
     expected_tokens: float = 0.0  # the policy's expected committed tokens for this round (before stops)
     expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
     plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group
-    arm: str = ""  # auto's arm for this round: "plain" (k = 0 throughout) or "spec"; "" for a fixed k
+    arm: str = ""  # auto's arm for this round: "plain" (plain steps and forced runs) or "spec"; "" for a fixed k
     window_tokens_per_s: float = 0.0  # auto: the rate of the window this round closed (prefills out; 0: none)

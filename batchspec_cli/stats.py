@@ -6,8 +6,8 @@
   so eqspec and exspec compare honestly (plain ``ar`` steps count in neither);
 - mean acceptance length (``acceptance_length``, the one definition the CLI uses too): tokens
   a row commits per speculative round, *counting* the correction or bonus token,
-  = 1 + accepted drafts / row-rounds of the rounds with k > 0. Plain steps (k = 0, auto's
-  PLAIN arm and its plain rounds included) are not speculative rounds and do not count;
+  = 1 + accepted drafts / row-rounds of the rounds with k > 0 (auto's PLAIN rounds that verify a
+  grammar's forced runs included). Plain steps (k = 0) are not speculative rounds and do not count;
   a row that got no draft in a speculative round counts as one row-round of 1 token;
 - realign+gather share: (realign_ms + gather_ms) / total_ms over every step;
 - tokens/s: tokens emitted / summed step time (prefill included);
