@@ -265,7 +265,7 @@ def test_memory_stays_bounded_on_a_long_job_and_recent_documents_are_found():
     vocab = list(range(5000))
     index = SuffixIndex(max_depth=8, max_nodes=60_000, max_tokens=40_000)
     pool = rng.choices(vocab, weights, k=400_000)
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: a shared machine's load does not count
     recent = []
     pos = 0
     for i in range(20_000):
@@ -276,7 +276,7 @@ def test_memory_stays_bounded_on_a_long_job_and_recent_documents_are_found():
         assert index.nodes <= 60_000 and index.tokens <= 40_000
         if i >= 20_000 - 50:
             recent.append(doc)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert index.evicted > 15_000
     assert memory_estimate(index) <= index.memory_bound()
     _check_trie(index)
