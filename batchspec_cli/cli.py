@@ -293,10 +293,7 @@ def _handling_signals(handler):
 
 def _raise_on_signals():
     """SIGINT / SIGTERM / SIGHUP raise StopNow (the job is not running yet: there is nothing to finish first)."""
-    def handler(signum, frame):
-        raise StopNow(signum)
-
-    return _handling_signals(handler)
+    return _handling_signals(interrupts.raise_stop)
 
 
 def _stop_on_signals(job: Generation):

@@ -23,6 +23,11 @@ class StopNow(BaseException):
         self.signum = signum
 
 
+def raise_stop(signum: int, frame) -> None:
+    """A signal handler: the signal becomes ``StopNow`` (which, unlike KeyboardInterrupt, no library catches)."""
+    raise StopNow(signum)
+
+
 def signal_of(exc: BaseException) -> int | None:
     """The signal an exception stands for: KeyboardInterrupt is SIGINT; None for any other exception."""
     if isinstance(exc, StopNow):
