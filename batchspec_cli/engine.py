@@ -60,7 +60,7 @@ from .config import DEFAULT, MODES
 from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
-from .events import NonFiniteLogits, Request, RowResult, StepStats
+from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
@@ -542,8 +542,8 @@ class Engine:
             realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
             gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
-            expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
-            plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
+            trace=PolicyTrace(expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+                              plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0))
         return RoundOutcome(stats, results, ended)
 
     def _tokens_left(self) -> int | None:

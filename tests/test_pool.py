@@ -189,7 +189,7 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
                     EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
     results, stats = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
-    assert all(s.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
+    assert all(s.trace.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
     assert engine.pool.table.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
     # SPEC as the incumbent fills the window while its rounds speculate, and holds one batch while its ruler picks
     # plain steps (the rows stay in step: extra rows would only grow the KV).
