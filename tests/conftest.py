@@ -312,3 +312,10 @@ def make_step(filled: bool = False, **fields) -> StepStats:
     if not filled:
         record.update(group_kind="same_length", batch_size=1)
     return StepStats.from_record({**record, **fields})
+
+
+def round_step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, total_ms: float = 100.0,
+               **fields) -> StepStats:
+    """A step of ``rows`` rows at ``k`` whose time is all verify (tests of the statistics' summaries)."""
+    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
+                     verify_ms=total_ms, total_ms=total_ms, **fields)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_step
+from conftest import round_step as step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,23 +80,18 @@ def benchmark_process(code: str, *args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def step(kind, rows, accepted, emitted, total_ms, k=5, **kw):
-    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
-                     verify_ms=total_ms, total_ms=total_ms, **kw)
-
-
 @pytest.fixture(scope="module")
 def helpers() -> dict:
     """The helpers' answers, from one process."""
     def run(tokens, wall, accepted):
-        stats = [step("prefill", 1, [0], 0, 100.0),
-                 step("same_length", 1, [accepted], accepted + 1, 400.0, drafted=5, drafter="model")]
+        stats = [step("prefill", 1, 5, [0], 0, 100.0),
+                 step("same_length", 1, 5, [accepted], accepted + 1, 400.0, drafted=5, drafter="model")]
         return {"tokens": tokens, "wall": wall, "steps": [s.record() for s in stats]}
 
-    phases = [step("prefill", 4, [], 0, 500.0, k=0),
-              step("same_length", 4, [0] * 4, 4, 100.0, k=0, arm="plain"),
-              step("realigned", 4, [1] * 4, 8, 300.0, k=2, arm="spec", realign_ms=20.0),
-              step("same_length", 4, [0] * 4, 4, 120.0, k=0, arm="spec")]
+    phases = [step("prefill", 4, 0, [], 0, 500.0),
+              step("same_length", 4, 0, [0] * 4, 4, 100.0, arm="plain"),
+              step("realigned", 4, 2, [1] * 4, 8, 300.0, arm="spec", realign_ms=20.0),
+              step("same_length", 4, 0, [0] * 4, 4, 120.0, arm="spec")]
     given = {"plan": [("ar", 0), ("eqspec", 5), ("exspec", 5)], "runs": [run(6, 2.0, 2), run(6, 4.0, 4)],
              "labels": [("exspec", 3, "model"), ("auto", 5, "model+suffix"), ("eqspec", 2, "ngram"), ("hf", 0, ""),
                         ("ar", 0, "")],

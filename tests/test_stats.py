@@ -7,14 +7,8 @@ from typer.testing import CliRunner
 
 from batchspec_cli.outputs import write_stats
 from batchspec_cli.cli import app
-from batchspec_cli.events import StepStats
 from batchspec_cli.stats import acceptance_length, summarize, summarize_rows
-from conftest import make_step
-
-
-def step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, total_ms: float = 100.0, **kw) -> StepStats:
-    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
-                     verify_ms=total_ms, total_ms=total_ms, **kw)
+from conftest import round_step as step
 
 
 STEPS = [step("prefill", 4, 0, [], 0),
