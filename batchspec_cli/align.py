@@ -2,8 +2,9 @@
 
 Every sequence lives in a *slot* of a preallocated buffer. Its committed tokens are
 left-padded: slot ``s`` holds ``pad[s]`` pad columns, then its content, and its padded
-length (the column after its last committed token) is ``end[s]``. Everything else
-derives from these two per-slot integers:
+length (the column after its last committed token) is ``end[s]``. The ``SlotTable`` below
+holds these per-slot integers (with the draft's reach and the live set) and the tensors they
+lay out; everything else derives from them:
 
 - the attention mask of a key column ``c`` is ``c >= pad`` (never inferred from token ids; per layer type in
   ``attention``);
