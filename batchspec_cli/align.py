@@ -85,7 +85,7 @@ class SlotCache:
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
-    ``capacity`` columns, both grown on demand (``grow``: by the pool ahead of a need that is
+    ``capacity`` columns, both grown on demand (``grow``: by the table ahead of a need that is
     known, by ``update`` when a forward runs past the end; before the first forward it only
     sets the size the buffers are allocated at). A growth allocates first, then copies the
     live slots' columns only (``keep``: the table's live set; ``None``: every row).
