@@ -180,6 +180,30 @@ def test_grow_is_all_or_nothing_and_falls_back_to_the_exact_need(monkeypatch):
     assert cache.capacity == 72 and all(t.shape[2] == 72 for t in cache.keys + cache.values)
 
 
+def test_the_table_carries_out_the_docstring_example():
+    """align.py's worked example through the table's verbs: place three rows at end 6, commit the round's tokens,
+    realign to the longest content; pads, ends, draft ends, the live set and the tokens are the docstring's."""
+    table = SlotTable(4, torch.device("cpu"), with_draft=True, capacity=8)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13]]  # "a b c d", "e f g h i j", "k l m"
+    table.place([0, 1, 2], prompts, 6, pad_id=0)
+    assert (table.end, table.pad, table.draft_end, table.live) == ([6, 6, 6, 0], [2, 0, 3, 0], [2, 0, 3, 0],
+                                                                   [0, 1, 2])
+    assert table.free_slots() == [3] and table.pads([2, 0]).tolist() == [3, 2]
+    table.layout.grow(6 + 3)  # the round's block (the engine grows the layout before it writes)
+    for slot, emitted, new in ((0, 3, [21, 22, 23]), (1, 1, [31]), (2, 2, [41, 42])):  # accepts 2+1, 0+1, 1+1
+        table.layout.tokens[slot, 6 : 6 + emitted] = torch.tensor(new)
+        table.commit(slot, emitted, draft_refed=True)
+    assert table.end[:3] == [9, 7, 8] and table.draft_end[:3] == [7, 5, 6]
+    moves = [(s, s, 7) for s in (0, 1, 2) if table.end[s] != 7]  # EQSPEC: to the longest content, 7
+    table.move(moves)
+    assert table.pad[:3] == [0, 0, 2] and table.end[:3] == [7, 7, 7] and table.draft_end[:3] == [5, 5, 5]
+    assert table.layout.tokens[0, :7].tolist() == [1, 2, 3, 4, 21, 22, 23]
+    assert table.layout.tokens[1, :7].tolist() == [5, 6, 7, 8, 9, 10, 31]
+    assert table.layout.tokens[2, 2:7].tolist() == [11, 12, 13, 41, 42]
+    table.free(1)
+    assert table.live == [0, 2] and table.free_slots() == [1, 3]
+
+
 def test_attention_inputs_mask_and_positions():
     pad = torch.tensor([2, 0])
     mask, positions = attention_inputs(pad, start=4, n_new=2, dtype=torch.float32)
