@@ -2,8 +2,9 @@
 
 Every sequence lives in a *slot* of a preallocated buffer. Its committed tokens are
 left-padded: slot ``s`` holds ``pad[s]`` pad columns, then its content, and its padded
-length (the column after its last committed token) is ``end[s]``. Everything else
-derives from these two per-slot integers:
+length (the column after its last committed token) is ``end[s]``. The ``SlotTable`` below
+holds these per-slot integers (with the draft's reach and the live set) and the tensors they
+lay out; everything else derives from them:
 
 - the attention mask of a key column ``c`` is ``c >= pad`` (never inferred from token ids; per layer type in
   ``attention``);
@@ -40,6 +41,7 @@ and the next round overwrites the stale columns after it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -83,21 +85,22 @@ class SlotCache:
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
-    ``capacity`` columns, both grown on demand (``grow``: by the pool ahead of a need that is
+    ``capacity`` columns, both grown on demand (``grow``: by the table ahead of a need that is
     known, by ``update`` when a forward runs past the end; before the first forward it only
     sets the size the buffers are allocated at). A growth allocates first, then copies the
-    ``live`` slots' columns only (``None``: every row).
+    live slots' columns only (``keep``: the table's live set; ``None``: every row).
     """
 
     growth = 0.5  # a growth adds at least this fraction of the capacity (geometric: bounded total copying)
 
-    def __init__(self, n_slots: int, capacity: int, rows: int | None = None):
+    def __init__(self, n_slots: int, capacity: int, rows: int | None = None,
+                 keep: Callable[[], list[int]] | None = None):
         self.n_slots = n_slots
         self.rows = n_slots if rows is None else rows  # slots the buffers hold (a prefix of the slots)
         self.capacity = capacity
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
-        self.live: list[int] | None = None  # the slots whose entries a growth keeps (set by the pool)
+        self.keep = keep  # the slots whose entries a growth keeps (the table's live set; None: every row)
         self.rows_index: Selection = slice(0, 0)
         self.length = 0
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
@@ -175,7 +178,7 @@ class SlotCache:
             if old_device_is_cuda(self.keys):
                 torch.cuda.empty_cache()
             raise
-        keep = list(range(self.rows)) if self.live is None else [s for s in self.live if s < self.rows]
+        keep = list(range(self.rows)) if self.keep is None else [s for s in self.keep() if s < self.rows]
         if keep:  # nothing below allocates but this small index
             run = keep == list(range(keep[0], keep[0] + len(keep)))
             index = slice(keep[0], keep[0] + len(keep)) if run else device_tensor(keep, self.keys[0].device)
@@ -198,7 +201,7 @@ class SlotCache:
 
 @dataclass
 class Layout:
-    """The committed token ids of every slot, left-padded; pads and ends are the pool's host values."""
+    """The committed token ids of every slot, left-padded; pads and ends are the ``SlotTable``'s host values."""
 
     tokens: torch.Tensor  # [slots, capacity] committed token ids, left-padded
 
@@ -222,60 +225,177 @@ class Layout:
         self.tokens[slots, :end] = rows.to(self.tokens.device)
 
 
-def realign(layout: Layout, caches: list[tuple[SlotCache, list[int]]], src: list[int], dst: list[int],
-            ends: list[int], new_ends: list[int], pads: list[int]) -> int:
-    """Move rows from slots ``src`` to slots ``dst`` so that row i ends at column ``new_ends[i]``.
+class SlotTable:
+    """Every slot's geometry, and the tensors laid out by it: the one home of each row's pad, end, draft end and
+    liveness (in the manner of mlx-lm's ``BatchKVCache``: ``left_padding``, ``offset``, ``filter``, ``extend``).
 
-    src, dst: slot indices (may overlap, e.g. a permutation: all reads happen before
-    writes); ends, pads: each row's current padded length and padding (the host's
-    mirrors: no device sync); caches: (cache, per-row lag) pairs, a cache with lag ``l``
-    covering columns [0, end - l) of that row. Each row is shifted by ``new_end - end``;
-    index tensors are built once and each layer moves with one gather and one scatter of
-    the rows' cached content only (no pad columns, nothing past a row's end).
+    The table holds the committed tokens (``layout``), the target's and the draft's ``SlotCache``
+    and, per slot, on the host: ``end`` (the column after the last committed token), ``pad``
+    (left padding) and ``draft_end`` (the draft cache covers ``[0, draft_end)``), plus ``live``,
+    the sorted slots that hold a row. Its verbs keep tensors and geometry together:
 
-    All or nothing: every buffer that grows and every gathered copy is allocated before the
-    first write, so an out-of-memory error leaves layout and caches as they were.
-    Returns each row's KV entries (token x layer, both caches) actually copied, counted from
-    the lengths the index tensors were built from.
+    - ``place``: rows start in free slots, left-padded to one end (``extend``);
+    - ``commit``: a row's end advances past the tokens a round committed;
+    - ``move``: rows change slot and/or end (assembly, realignment), tokens and KV with them;
+    - ``pads``: a group's pads on the device, from which ``attention`` derives masks and position ids;
+    - ``free``: a slot leaves the live set (``filter``); ``reserve``: room for rows about to come.
+
+    A cache growth keeps the live slots only: the caches ask the table (``SlotCache(keep=...)``).
     """
-    if not src:
-        return []
-    device = layout.tokens.device
-    width = max(new_ends)
-    shifts = [n - e for n, e in zip(new_ends, ends)]
-    new_pads = [p + s for p, s in zip(pads, shifts)]
-    src_t, dst_t = device_tensor(src, device), device_tensor(dst, device)
-    shift = device_tensor(shifts, device)  # [rows]
-    # 1. Allocate: grown buffers, index tensors, gathered copies.
-    layout.grow(width)
-    for cache, lags in caches:
-        cache.grow(width - min(lags), rows=max(dst) + 1)
-    # Columns past a row's own new end carry nothing; clamping keeps their (ignored) reads in bounds.
-    tok_cols = (torch.arange(width, device=device)[None, :] - shift[:, None]).clamp(0, layout.tokens.shape[1] - 1)
-    tokens = layout.tokens[src_t[:, None], tok_cols]  # [rows, width]
-    moves = []
-    for cache, lags in caches:
-        # Only each row's cached content moves: columns [new pad, new end - lag) of its new place.
-        lengths = [max(0, n - p - lag) for n, p, lag in zip(new_ends, new_pads, lags)]
-        total = sum(lengths)
-        if cache.n_layers == 0 or total == 0:
-            continue
-        lengths_t = device_tensor(lengths, device)
-        row = torch.repeat_interleave(torch.arange(len(src), device=device), lengths_t, output_size=total)
-        first = torch.cumsum(lengths_t, 0) - lengths_t
-        dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
-        src_col, src_row, dst_row = dst_col - shift[row], src_t[row], dst_t[row]
-        gathered = [[_gather(layer, src_row, src_col) for layer in buffers] for buffers in (cache.keys, cache.values)]
-        moves.append((cache, dst_row, dst_col, gathered, lengths))
-    # 2. Write.
-    layout.tokens[dst_t, :width] = tokens
-    moved = [0] * len(src)
-    for cache, dst_row, dst_col, gathered, lengths in moves:
-        for buffers, copies in zip((cache.keys, cache.values), gathered):
-            for layer, copy in zip(buffers, copies):
-                layer[dst_row, :, dst_col] = copy
-        moved = [m + n * cache.n_layers for m, n in zip(moved, lengths)]
-    return moved
+
+    def __init__(self, n_slots: int, device: torch.device, with_draft: bool, capacity: int = 64):
+        self.n_slots, self.device = n_slots, device
+        self.layout = Layout.empty(n_slots, capacity, device)
+        self.target = SlotCache(n_slots, capacity, rows=0, keep=self._live)
+        self.draft = SlotCache(n_slots, capacity, rows=0, keep=self._live) if with_draft else None
+        self.end = [0] * n_slots  # [slots] padded length: the column after the last committed token
+        self.pad = [0] * n_slots  # [slots] left padding
+        self.draft_end = [0] * n_slots  # [slots] the draft cache covers columns [0, draft_end)
+        self.live: list[int] = []  # sorted slots that hold a row (the one live set; rebound, never mutated)
+
+    def _live(self) -> list[int]:
+        return self.live
+
+    # ------------------------------------------------------------------ reading
+    def is_live(self, slot: int) -> bool:
+        return slot in self.live
+
+    def free_slots(self) -> list[int]:
+        live = set(self.live)
+        return [s for s in range(self.n_slots) if s not in live]
+
+    def content(self, slot: int) -> int:
+        return self.end[slot] - self.pad[slot]
+
+    def pads(self, slots: list[int]) -> torch.Tensor:
+        """[G] left padding of the group's rows, on the device (``attention`` makes the masks and positions)."""
+        return device_tensor([self.pad[s] for s in slots], self.device)
+
+    def draft_reach(self, slots: list[int]) -> int:
+        """The draft cache covers columns [0, reach) of every row of the group."""
+        return min(self.draft_end[s] for s in slots)
+
+    def caches(self, slots: list[int]) -> list[tuple[SlotCache, list[int]]]:
+        """(cache, per-row lag) of both models for ``slots``: the target lags one column, the draft more."""
+        caches = [(self.target, [1] * len(slots))]
+        if self.draft is not None:
+            caches.append((self.draft, [self.end[s] - self.draft_end[s] for s in slots]))
+        return caches
+
+    # ------------------------------------------------------------------ changing
+    def place(self, slots: list[int], prompts: list[list[int]], end: int, pad_id: int) -> None:
+        """Start rows in free slots, left-padded to the common padded length ``end`` (the draft covers nothing)."""
+        self.layout.place(device_tensor(slots, self.device), prompts, end, pad_id)
+        for s, ids in zip(slots, prompts):
+            self.end[s], self.pad[s] = end, end - len(ids)
+            self.draft_end[s] = self.pad[s]
+        self.live = sorted(self.live + slots)
+
+    def commit(self, slot: int, emitted: int, draft_refed: bool) -> None:
+        """A round's geometry for one row: it gained ``emitted`` tokens (before any stop-string cut: the
+        layout's tokens run to its new end)."""
+        self.end[slot] += emitted
+        if draft_refed:
+            self.draft_end[slot] = self.end[slot] - 2  # the draft is re-fed the last two committed tokens
+
+    def draft_prefilled(self, slots: list[int], end: int) -> None:
+        """The draft cache of rows placed at ``end`` was filled up to ``end - 2``."""
+        for s in slots:
+            self.draft_end[s] = end - 2
+
+    def free(self, slot: int) -> None:
+        self.live = [s for s in self.live if s != slot]
+
+    def reserve(self, slots: list[int], columns: int) -> None:
+        """Room for rows about to be placed in ``slots``, which can reach ``columns`` columns.
+
+        The buffers must hold the slots (an out-of-memory error is raised, and nothing the
+        table holds has changed, when they cannot); the columns are reserved when they fit,
+        else left for the forward that needs them (it grows to exactly that).
+        """
+        rows = max(slots) + 1
+        for cache in (self.target, self.draft):
+            if cache is not None:
+                try:
+                    cache.grow(columns, rows)
+                except torch.OutOfMemoryError:  # CacheFull included: the slots alone, then
+                    cache.grow(cache.capacity, rows)
+        self.layout.grow(columns)
+
+    def move(self, moves: list[tuple[int, int, int]]) -> list[int]:
+        """Move rows ``(source slot, destination slot, new padded length)``: tokens, KV and geometry as one unit.
+
+        Sources may overlap destinations (e.g. a permutation: all reads happen before writes); a
+        source slot no row moves into becomes free. Each row is shifted by ``new_end - end``:
+        its pad and draft end shift with it. The tensors move first, all or nothing
+        (``realign``); the geometry changes only once they have. Returns each row's KV entries
+        (token x layer, both caches) actually copied.
+        """
+        if not moves:
+            return []
+        src, dst = [s for s, _, _ in moves], [d for _, d, _ in moves]
+        copied = self.realign(src, dst, [e for _, _, e in moves])
+        old = [(self.end[s], self.pad[s], self.draft_end[s]) for s in src]
+        for (_, d, new_end), (end, pad, draft_end) in zip(moves, old):
+            shift = new_end - end
+            self.end[d], self.pad[d], self.draft_end[d] = new_end, pad + shift, draft_end + shift
+        self.live = sorted(set(self.live).difference(src).union(dst))
+        return copied
+
+    def realign(self, src: list[int], dst: list[int], new_ends: list[int]) -> list[int]:
+        """Copy rows' tokens and KV from slots ``src`` to slots ``dst`` so that row i ends at column
+        ``new_ends[i]``; the geometry is not changed (``move`` does that).
+
+        Each row is shifted by ``new_end - end``; index tensors are built once from the host's
+        geometry (no device sync) and each layer moves with one gather and one scatter of the
+        rows' cached content only (no pad columns, nothing past a row's end). A cache with lag
+        ``l`` covers columns [0, end - l) of that row.
+
+        All or nothing: every buffer that grows and every gathered copy is allocated before the
+        first write, so an out-of-memory error leaves layout and caches as they were.
+        Returns each row's KV entries (token x layer, both caches) actually copied, counted from
+        the lengths the index tensors were built from.
+        """
+        if not src:
+            return []
+        layout, device = self.layout, self.layout.tokens.device
+        caches = self.caches(src)
+        width = max(new_ends)
+        shifts = [n - self.end[s] for n, s in zip(new_ends, src)]
+        new_pads = [self.pad[s] + sh for s, sh in zip(src, shifts)]
+        src_t, dst_t = device_tensor(src, device), device_tensor(dst, device)
+        shift = device_tensor(shifts, device)  # [rows]
+        # 1. Allocate: grown buffers, index tensors, gathered copies.
+        layout.grow(width)
+        for cache, lags in caches:
+            cache.grow(width - min(lags), rows=max(dst) + 1)
+        # Columns past a row's own new end carry nothing; clamping keeps their (ignored) reads in bounds.
+        tok_cols = (torch.arange(width, device=device)[None, :] - shift[:, None]).clamp(0, layout.tokens.shape[1] - 1)
+        tokens = layout.tokens[src_t[:, None], tok_cols]  # [rows, width]
+        moves = []
+        for cache, lags in caches:
+            # Only each row's cached content moves: columns [new pad, new end - lag) of its new place.
+            lengths = [max(0, n - p - lag) for n, p, lag in zip(new_ends, new_pads, lags)]
+            total = sum(lengths)
+            if cache.n_layers == 0 or total == 0:
+                continue
+            lengths_t = device_tensor(lengths, device)
+            row = torch.repeat_interleave(torch.arange(len(src), device=device), lengths_t, output_size=total)
+            first = torch.cumsum(lengths_t, 0) - lengths_t
+            dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
+            src_col, src_row, dst_row = dst_col - shift[row], src_t[row], dst_t[row]
+            gathered = [[_gather(layer, src_row, src_col) for layer in buffers]
+                        for buffers in (cache.keys, cache.values)]
+            moves.append((cache, dst_row, dst_col, gathered, lengths))
+        # 2. Write.
+        layout.tokens[dst_t, :width] = tokens
+        moved = [0] * len(src)
+        for cache, dst_row, dst_col, gathered, lengths in moves:
+            for buffers, copies in zip((cache.keys, cache.values), gathered):
+                for layer, copy in zip(buffers, copies):
+                    layer[dst_row, :, dst_col] = copy
+            moved = [m + n * cache.n_layers for m, n in zip(moved, lengths)]
+        return moved
 
 
 def _gather(layer: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ mode, drafter or k changes an output.
 
 Which rows run together and which rows move where is decided by pure functions in
 ``grouping`` (a ``StaticBatch`` strategy for ``ar``/``eqspec``, a ``Pool`` for
-``exspec``/``auto``, each returning a ``MovePlan``); the ``pool.SlotPool`` owns every
-slot's tokens, KV caches and state and carries plans out (``align.realign`` moves the KV).
+``exspec``/``auto``, each returning a ``MovePlan``); the ``align.SlotTable`` owns every
+slot's geometry (pad, end, draft end, liveness) with its tokens and KV caches, and carries
+plans out (``SlotTable.move``); ``pool.SlotPool`` moves it and the rows' state as one unit.
 Without a drafter the pool holds one batch: rows that never speculate stay in step.
 
 One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), then
@@ -59,7 +60,7 @@ from .config import DEFAULT, MODES
 from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
 from .drafters import ModelDrafter, Proposal, Rows
-from .events import NonFiniteLogits, Request, RowResult, StepStats
+from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
@@ -223,7 +224,7 @@ class Engine:
             self._models.enter_context(folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)))
             while True:
                 yield from self._admit_from()
-                if not self.pool.live:
+                if not self.table.live:
                     if self.admission.exhausted:
                         return
                     continue
@@ -250,10 +251,9 @@ class Engine:
     def _reset(self, admission: Admission) -> None:
         self.admission = admission  # the run's requests, read as free slots ask for them
         self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
-        self.layout, self.state = self.pool.layout, self.pool.state  # the round's own reads (tokens, [slots] tensors)
-        self.tcache, self.dcache = self.pool.target, self.pool.draft
+        self.table, self.state = self.pool.table, self.pool.state  # the slots' geometry; the rows' state
         if self.model_drafter is not None:
-            self.model_drafter.cache = self.dcache
+            self.model_drafter.cache = self.table.draft
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
@@ -286,12 +286,13 @@ class Engine:
         rounds (32 prompts at batch 8: 285 rounds against ar's 256, 0.94x of ar; 255 and
         0.97x refilling at once).
         """
-        free = self.pool.free_slots()
+        table = self.table
+        free = table.free_slots()
         if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, kept full
-            free = free[: max(0, self.cfg.batch_size - len(self.pool.live))]
-        elif self.pool.live and len(free) < min(self.strategy.admit_at, self.n_slots):
+            free = free[: max(0, self.cfg.batch_size - len(table.live))]
+        elif table.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
-        for chunk in self.admission.chunks(free, self.pool.is_free, self._check):
+        for chunk in self.admission.chunks(free, lambda slot: not table.is_live(slot), self._check):
             if isinstance(chunk, RowResult):  # a request that cannot run
                 yield chunk
             else:
@@ -300,7 +301,6 @@ class Engine:
     def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
         started = time.perf_counter()
-        state = self.state
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
@@ -325,10 +325,10 @@ class Engine:
         self._sync()
         self.since.admit_s += time.perf_counter() - prefill_started
         if self.has_draft and self.policy.wants_draft():
-            self._prefill_draft([s for s in slots if state.rows[s] is not None], end)
+            self._prefill_draft([s for s in slots if self.table.is_live(s)], end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
-        pads = sum(state.pad[s] for s in slots)
+        pads = sum(self.table.pad[s] for s in slots)
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=0,
                         kv_gathered=0, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
@@ -342,7 +342,7 @@ class Engine:
                 self.draft = self._load_draft()
                 self._models.enter_context(folded_sdpa(self.draft.model))
             self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
-            self.model_drafter.cache = self.dcache
+            self.model_drafter.cache = self.table.draft
         return self.model_drafter
 
     def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
@@ -352,8 +352,8 @@ class Engine:
         """
         try:
             rows_index = selection(slots, self.device)
-            group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index,
-                          self.layout.tokens[rows_index, : end - 1], self.pool.pads(slots), 0, logits_to_keep=1)
+            group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
+                          self.table.layout.tokens[rows_index, : end - 1], self.table.pads(slots), 0, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
@@ -370,15 +370,14 @@ class Engine:
         rows_index = selection(slots, self.device)
         started = time.perf_counter()
         try:
-            self._drafter().prefill(rows_index, self.layout.tokens[rows_index, : end - 2], self.pool.pads(slots))
+            self._drafter().prefill(rows_index, self.table.layout.tokens[rows_index, : end - 2], self.table.pads(slots))
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
         finally:
             self.since.draft_prefill_s += time.perf_counter() - started
-        for s in slots:
-            self.state.draft_end[s] = end - 2
+        self.table.draft_prefilled(slots, end)
 
     def _next_step(self) -> int:
         self.step_no += 1
@@ -406,7 +405,8 @@ class Engine:
         option's first real round replaces its seed.
         """
         top = self.max_k + 1
-        self.layout.grow(T + top)
+        layout = self.table.layout
+        layout.grow(T + top)
 
         def timed(model, cache: SlotCache, kwarg: str, rows, tokens: torch.Tensor, row_pad, start: int) -> float:
             self._sync()
@@ -415,8 +415,8 @@ class Engine:
             self._sync()
             return time.perf_counter() - began
 
-        last = self.layout.tokens[rows_index, T - 1 : T]  # [G, 1]
-        verify = {w: timed(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, last.repeat(1, w), pad,
+        last = layout.tokens[rows_index, T - 1 : T]  # [G, 1]
+        verify = {w: timed(self.target.model, self.table.target, self.target.cache_kwarg, rows_index, last.repeat(1, w), pad,
                            T - 1) for w in sorted({2, top})}
         for w in range(3, top):  # linear in between
             verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
@@ -426,7 +426,7 @@ class Engine:
             handle = self.draft
             context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
             # tokens: [G, > context + K+1]
-            tokens = self.layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
+            tokens = layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
             cache, zeros = SlotCache(group, tokens.shape[1]), torch.zeros_like(pad)
             whole = slice(0, group)
             timed(handle.model, cache, handle.cache_kwarg, whole, tokens[:, :context], zeros, 0)  # prefill, warm-up
@@ -446,9 +446,9 @@ class Engine:
         group cannot help: the group's longest row errors out instead.
         """
         self._empty_cache()
-        slots = [s for s in slots if self.state.rows[s] is not None]
+        slots = [s for s in slots if self.table.is_live(s)]
         if isinstance(exc, CacheFull):
-            longest = max(slots, key=lambda s: self.state.end[s] - self.state.pad[s])
+            longest = max(slots, key=self.table.content)
             yield self._end_row(longest, "error", f"out of memory: {exc}")
             return
         if len(slots) > 1:
@@ -459,9 +459,9 @@ class Engine:
     # ------------------------------------------------------------------ one round
     def _prepare(self, slots: list[int]) -> Prepared:
         """0. Prepare: the selected group in one rectangle in one slot range (the round's clock starts here)."""
-        started, clock, state = time.perf_counter(), Clock(self.device), self.state
-        pad_before = sum(state.pad[s] for s in slots)
-        bucket = state.rows[slots[0]].bucket
+        started, clock = time.perf_counter(), Clock(self.device)
+        pad_before = sum(self.table.pad[s] for s in slots)
+        bucket = self.state.rows[slots[0]].bucket
         clock.mark("prepare")
         plan = self.strategy.plan(self.pool.view(), slots)
         moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
@@ -471,12 +471,12 @@ class Engine:
     def _round(self, prepared: Prepared) -> RoundOutcome:
         """One round over a prepared group: k, draft, verify, accept, commit; what happened, as a ``RoundOutcome``
         (the round changes the rows, the pool and the policy's measurements, and nothing of the engine's own)."""
-        plan, clock, started, state = prepared.plan, prepared.clock, prepared.started, self.state
+        plan, clock, started, state, table = prepared.plan, prepared.clock, prepared.started, self.state, self.table
         slots = plan.slots
         # 0. (prepared) The policy's k and the drafts' noise.
-        T = state.end[slots[0]]
+        T = table.end[slots[0]]
         rows_index = selection(slots, self.device)
-        pad = self.pool.pads(slots)  # [G]
+        pad = table.pads(slots)  # [G]
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
             self.policy.seed(self._calibrate(slots, rows_index, pad, T))
             clock.mark("calibrated")
@@ -484,7 +484,7 @@ class Engine:
         choice = self._choose(slots, proposals)
         k = choice.k
         noise = self._noise(slots, rows_index, k)
-        self.layout.grow(T + k + 2)
+        table.layout.grow(T + k + 2)
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
@@ -492,11 +492,11 @@ class Engine:
             masks = self._constrain(slots, draft, k)  # cuts the drafts the grammars refuse; None: no row constrained
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
-            inputs = self.layout.tokens[rows_index, T - 1 : T]
+            inputs = table.layout.tokens[rows_index, T - 1 : T]
             if k:
                 inputs = torch.cat([inputs, draft.tokens], dim=1)  # [G, k+1]
-            logits = group_forward(self.target.model, self.tcache, self.target.cache_kwarg, rows_index, inputs, pad,
-                                   T - 1)
+            logits = group_forward(self.target.model, table.target, self.target.cache_kwarg, rows_index, inputs,
+                                   pad, T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
             masked = logits if masks is None else logits.masked_fill(~masks, float("-inf"))  # [G, k+1, V]
             target_tokens = self._choose_tokens(masked, rows_index, noise, 0)  # [G, k+1]
@@ -532,24 +532,24 @@ class Engine:
             admit_s=self.since.admit_s, tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
             verify_s=clock.seconds("verify", "accepted"))
         window = self.policy.observe(report)
-        live_in_group = [s for s in slots if state.rows[s] is not None]
+        live_in_group = [s for s in slots if table.is_live(s)]
         stats = StepStats(
             bucket=prepared.bucket, step=self.step_no + 1, group_kind=self._kind(plan), batch_size=len(slots), k=k,
             accepted=committed.kept, tokens_emitted=report.tokens, pad_before=prepared.pad_before,
-            pad_after=sum(state.pad[s] for s in live_in_group), kv_moved=prepared.moved,
+            pad_after=sum(table.pad[s] for s in live_in_group), kv_moved=prepared.moved,
             kv_gathered=prepared.gathered,
             draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
             realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
             gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
             total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
-            expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
-            plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0)
+            trace=PolicyTrace(expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+                              plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0))
         return RoundOutcome(stats, results, ended)
 
     def _tokens_left(self) -> int | None:
         """The most tokens the job has left (``Admission.tokens_left``), the rows in flight's included."""
         state = self.state
-        return self.admission.tokens_left(sum(state.limit[s] - len(state.ids[s]) for s in self.pool.live))
+        return self.admission.tokens_left(sum(state.limit[s] - len(state.ids[s]) for s in self.table.live))
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
@@ -579,8 +579,8 @@ class Engine:
         remaining = sum(state.limit[s] - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
         if self.has_draft:
-            sources["model"] = Offer(None, state.end[slots[0]] - min(state.draft_end[s] for s in slots))
-        choice = self.policy.choose(Group(rows, state.end[slots[0]], remaining), sources)
+            sources["model"] = Offer(None, self.table.end[slots[0]] - self.table.draft_reach(slots))
+        choice = self.policy.choose(Group(rows, self.table.end[slots[0]], remaining), sources)
         if not choice.k:
             choice.source = ""
         return choice
@@ -614,8 +614,8 @@ class Engine:
         if not k:
             return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
         if choice.source == "model":
-            rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.layout.tokens[rows_index, :T], pad,
-                        min(self.state.draft_end[s] for s in slots),
+            rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.table.layout.tokens[rows_index, :T],
+                        pad, self.table.draft_reach(slots),
                         lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))
             return self._drafter().propose(rows, k), ["model"] * len(slots)
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
@@ -662,7 +662,7 @@ class Engine:
         on_host = torch.cat([torch.stack([emitted, kept, code], 1), block, *extra], 1).tolist()  # [G, 3 + k+1 + n]
         if any(r[2] == _BROKEN for r in on_host):
             return Committed([], [], [r[2] for r in on_host], [])
-        self.layout.tokens[rows_index, T : T + k + 1] = block
+        self.table.layout.tokens[rows_index, T : T + k + 1] = block
         self.state.gen[rows_index] += emitted
         columns = (list(column) for column in zip(*((r[0], r[1], r[2], r[3 : 4 + k]) for r in on_host)))
         return Committed(*columns, Recorder.unpack(on_host, 4 + k, k + 1))

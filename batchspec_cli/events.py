@@ -15,7 +15,7 @@ Vocabulary (used across the package):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -88,16 +88,26 @@ class RowResult:
 
 
 @dataclass
+class PolicyTrace:
+    """What the policy (``control``) expected and chose for one round: its trace, kept out of the step's facts so
+    that a statistic is never read from the decision it checks. Zeros and "" under a fixed k and for prefills."""
+
+    expected_tokens: float = 0.0  # scalar: the committed tokens the policy expected of the round (before stops)
+    expected_ms: float = 0.0  # scalar: the policy's modelled cost of the round (0: not modelled, fixed k)
+    plain_ms: float = 0.0  # scalar: the policy's modelled cost of a plain step (k = 0) of the same group
+    arm: str = ""  # auto's arm for the round: "plain" (plain steps and forced runs) or "spec"; "" for a fixed k
+    window_tokens_per_s: float = 0.0  # scalar: auto: the rate of the window the round closed (prefills out; 0: none)
+
+
+@dataclass
 class StepStats:
     """One step: one group through one round (or one AR step, or an admission's prefill).
 
-    The step's facts come first: what ran and what it committed, as measured. The policy's
-    trace follows (what ``control`` expected and chose; zeros and "" under a fixed k): the
-    two sets are kept apart so that a statistic is never read from the decision it checks.
-    One flat record: the statistics file has one column per field.
+    The fields are the step's facts: what ran and what it committed, as measured. The policy's
+    trace (what it expected and chose) is a record of its own, ``trace``. The statistics file
+    has one column per fact, then one per trace field (``record`` / ``from_record``).
     """
 
-    # -- the step's facts
     bucket: int  # the length bucket of the group's first row
     step: int  # 1, 2, ... over the job (prefills included)
     group_kind: str  # same_length | realigned | prefill | ar (from the grouping's decision)
@@ -116,9 +126,16 @@ class StepStats:
     total_ms: float  # the whole round, its preparation included
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
-    # -- the policy's trace (control.Choice and the arms' windows)
-    expected_tokens: float = 0.0  # the policy's expected committed tokens for this round (before stops)
-    expected_ms: float = 0.0  # the policy's modelled cost of the round (0: not modelled, fixed k)
-    plain_ms: float = 0.0  # the policy's modelled cost of a plain step (k = 0) of the same group
-    arm: str = ""  # auto's arm for this round: "plain" (plain steps and forced runs) or "spec"; "" for a fixed k
-    window_tokens_per_s: float = 0.0  # auto: the rate of the window this round closed (prefills out; 0: none)
+    trace: PolicyTrace = field(default_factory=PolicyTrace)  # the policy's trace of the round
+
+    def record(self) -> dict:
+        """One flat row of the statistics file: the facts, then the trace's fields."""
+        row = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
+        return {**row, **asdict(self.trace)}
+
+    @classmethod
+    def from_record(cls, row: dict) -> "StepStats":
+        """From a flat row (``record``); trace fields a row lacks keep their defaults."""
+        trace = {f.name: row[f.name] for f in fields(PolicyTrace) if f.name in row}
+        facts = {f.name: row[f.name] for f in fields(cls) if f.name in row and f.name != "trace"}
+        return cls(**facts, trace=PolicyTrace(**trace))

@@ -142,8 +142,12 @@ _TYPE_OVERRIDES = {
 
 
 def _dataclass_schema(cls) -> pa.Schema:
+    """One column per field; a field that is itself a record (``StepStats.trace``) gives one per field of its own."""
     fields = []
     for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            fields += list(_dataclass_schema(f.default_factory))
+            continue
         annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         annotation = annotation.replace(" ", "").removesuffix("|None")
         arrow_type = _TYPE_OVERRIDES.get(cls, {}).get(f.name) or _ANNOTATION_TYPES.get(annotation)
@@ -163,7 +167,7 @@ def part_schema(kind: str) -> pa.Schema:
 
 
 def stats_table(stats: list[StepStats]) -> pa.Table:
-    return pa.Table.from_pylist([dataclasses.asdict(s) for s in stats], schema=_stats_schema())
+    return pa.Table.from_pylist([s.record() for s in stats], schema=_stats_schema())
 
 
 def results_table(results: list[RowResult]) -> pa.Table:
@@ -171,14 +175,16 @@ def results_table(results: list[RowResult]) -> pa.Table:
     return pa.Table.from_pylist([dataclasses.asdict(r) for r in results], schema=_dataclass_schema(RowResult))
 
 
-def _from_table(cls, table: pa.Table) -> list:
-    names = {f.name for f in dataclasses.fields(cls)}
+def _from_table(cls, table: pa.Table, build=None) -> list:
+    """``cls`` objects from a table of their columns (``build``: from one row's dict; default ``cls(**row)``)."""
+    names = set(_dataclass_schema(cls).names)
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     if not required <= set(table.column_names):
         raise ValueError(f"not a {cls.__name__} table: missing {sorted(required - set(table.column_names))}")
     keep = [c for c in table.column_names if c in names]
-    return [cls(**row) for row in table.select(keep).to_pylist()]
+    build = build or (lambda row: cls(**row))
+    return [build(row) for row in table.select(keep).to_pylist()]
 
 
 def results_from_table(table: pa.Table) -> list[RowResult]:
@@ -190,7 +196,7 @@ def results_from_table(table: pa.Table) -> list[RowResult]:
 
 
 def stats_from_table(table: pa.Table) -> list[StepStats]:
-    return _from_table(StepStats, table)
+    return _from_table(StepStats, table, StepStats.from_record)
 
 
 def read_table(path: Path) -> pa.Table:

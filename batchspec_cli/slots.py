@@ -1,11 +1,12 @@
-"""Per-slot state of the engine's pool, as one object that moves as a unit.
+"""Per-slot row state of the engine's pool, as one object that moves as a unit.
 
 A *slot* holds one in-flight row. What the round's tensors need lives on the device as
 ``[slots]`` tensors (completion position, limit, noise key, sampling settings); everything
-the host decides with lives in host lists, updated at the round's one sync (the row, its
-padded length and padding, how far the draft cache reaches, its committed completion ids
-and counters). Each fact has one home: ``end`` and ``pad`` exist only here. ``move`` carries every field from source to destination slots at once, so
-a realignment or a group's assembly can never leave one field behind.
+the host decides with lives in host lists, updated at the round's one sync (the request, its
+limit, when it last ran, its committed completion ids and counters). A slot's geometry
+(padded length, padding, draft reach, whether a row lives there) is not here: it is
+``align.SlotTable``'s alone. ``move`` carries every field from source to destination slots at
+once, so a realignment or a group's assembly can never leave one field behind.
 """
 
 from __future__ import annotations
@@ -29,10 +30,7 @@ class SlotState:
     top_k: torch.Tensor  # [slots] int64 (0: off)
     top_p: torch.Tensor  # [slots] float64 (1: off)
     # host, per slot
-    rows: list = field(default_factory=list)  # Request or None (free slot)
-    end: list = field(default_factory=list)  # padded length: the column after the last committed token
-    pad: list = field(default_factory=list)  # left padding (the device gets a group's pads per forward)
-    draft_end: list = field(default_factory=list)  # the draft cache covers columns [0, draft_end)
+    rows: list = field(default_factory=list)  # Request (None once its slot is freed; liveness: SlotTable.live)
     limit: list = field(default_factory=list)  # the most completion tokens the row may have (worked out at admission)
     last_run: list = field(default_factory=list)  # step at which the row last ran
     ids: list = field(default_factory=list)  # committed completion ids (a list per live slot)
@@ -49,12 +47,9 @@ class SlotState:
                    temperature=torch.zeros(n, dtype=torch.float64, device=device), top_k=zeros.clone(),
                    top_p=torch.ones(n, dtype=torch.float64, device=device), **host_lists)
 
-    def live(self) -> list[int]:
-        return [s for s, row in enumerate(self.rows) if row is not None]
-
-    def place(self, slots: list[int], requests: list[Request], end: int, keys: list[int], limits: list[int],
+    def place(self, slots: list[int], requests: list[Request], keys: list[int], limits: list[int], step: int,
               device) -> None:
-        """Start rows in free slots, left-padded to the common padded length ``end`` (the draft covers nothing)."""
+        """Start rows in free slots at ``step``."""
         idx = torch.tensor(slots, dtype=torch.long, device=device)
         self.gen[idx] = 0
         self.max_new[idx] = torch.tensor(limits, device=device)
@@ -64,8 +59,7 @@ class SlotState:
         self.top_k[idx] = torch.tensor([r.sampling.top_k for r in requests], device=device)
         self.top_p[idx] = torch.tensor([r.sampling.top_p for r in requests], dtype=torch.float64, device=device)
         for s, req, limit in zip(slots, requests, limits):
-            self.rows[s], self.end[s], self.pad[s], self.limit[s] = req, end, end - len(req.prompt_ids), limit
-            self.draft_end[s] = self.pad[s]
+            self.rows[s], self.limit[s], self.last_run[s] = req, limit, step
             self.ids[s] = []
             self.drafted[s] = self.accepted[s] = self.rounds[s] = 0
 
@@ -76,7 +70,7 @@ class SlotState:
         """Carry every field of rows ``(src slot, dst slot, new padded length)`` along; src/dst as device indices.
 
         Sources are read before anything is written (a permutation is fine); a source slot
-        that no row moves into becomes free. A row's padding and draft reach shift with its end.
+        that no row moves into is cleared.
         """
         for name in DEVICE_FIELDS:
             tensor = getattr(self, name)
@@ -86,9 +80,7 @@ class SlotState:
         for s, _, _ in plan:
             if s not in destinations:
                 self.clear(s)
-        for (s, d, new_end), row in zip(plan, snapshot):
-            shift = new_end - row["end"]
-            row["end"], row["pad"], row["draft_end"] = new_end, row["pad"] + shift, row["draft_end"] + shift
+        for (_, d, _), row in zip(plan, snapshot):
             for name, value in row.items():
                 getattr(self, name)[d] = value
 

@@ -140,12 +140,12 @@ def main() -> None:
             if "auto" in name:
                 ran = {}
                 for s in stats:
-                    if s.arm:
-                        ran.setdefault(s.arm, [0.0, 0, []])
-                        ran[s.arm][0] += s.total_ms / 1e3
-                        ran[s.arm][1] += 1
-                        if s.window_tokens_per_s:
-                            ran[s.arm][2].append(round(s.window_tokens_per_s, 1))
+                    if s.trace.arm:
+                        ran.setdefault(s.trace.arm, [0.0, 0, []])
+                        ran[s.trace.arm][0] += s.total_ms / 1e3
+                        ran[s.trace.arm][1] += 1
+                        if s.trace.window_tokens_per_s:
+                            ran[s.trace.arm][2].append(round(s.trace.window_tokens_per_s, 1))
                 arms.setdefault(name, []).append(ran)
         tokens = sum(len(t) for t in outputs[args.runs[0]].values())
         row = {"batch": batch, "tokens": tokens}

@@ -59,9 +59,9 @@ def phases(stats) -> dict[str, list]:
         if s.group_kind == "prefill":
             add("prefill", s.total_ms / 1e3)
             continue
-        add(f"{s.arm or 'ar'} k{'>0' if s.k else '=0'}", s.total_ms / 1e3, s.tokens_emitted)
+        add(f"{s.trace.arm or 'ar'} k{'>0' if s.k else '=0'}", s.total_ms / 1e3, s.tokens_emitted)
         if s.realign_ms:
-            add(f"realign ({s.arm or 'ar'})", s.realign_ms / 1e3)
+            add(f"realign ({s.trace.arm or 'ar'})", s.realign_ms / 1e3)
         if s.gather_ms:
             add("gather", s.gather_ms / 1e3)
         if s.k and s.draft_ms:

@@ -67,10 +67,10 @@ from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
 from batchspec_cli.prompts import render_prompt  # noqa: E402
 from batchspec_cli.assembly import use_kernels  # noqa: E402
-from batchspec_cli.stats import acceptance_length  # noqa: E402
+from batchspec_cli.stats import acceptance_length, summarize_rows  # noqa: E402
 from buckets import plan_buckets  # noqa: E402
 
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"  # --questions' default
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 ENGINE_MODES = ("ar", "pool0", "auto", "eqspec", "exspec")
 PLAIN = ("ar", "pool0", "hf")  # runs without a drafter, once per batch size
@@ -289,20 +289,16 @@ def summarize(runs: list[Run]) -> dict:
 
 
 def controller(runs: list[Run]) -> dict:
-    """``auto``'s choices: k histogram over decode steps, expected vs realised gain over a plain step, overhead."""
+    """``auto``'s choices: k histogram over decode steps, expected vs realised gain over a plain step
+    (``stats.summarize_rows``, the one definition), and the controller's overhead."""
     decode = [s for run in runs for s in run.stats if s.group_kind != "prefill"]
-    modelled = [s for s in decode if s.expected_ms > 0 and s.plain_ms > 0]
-    out = {"k_hist": {str(k): n for k, n in sorted(Counter(s.k for s in decode).items())},
-           "expected_gain": None, "realised_gain": None, "modelled_steps": len(modelled),
-           "choose_ms": 1e3 * sum(run.choose_s for run in runs)}
+    summary = summarize_rows("auto", [s.record() for s in decode])
+    modelled = [s for s in decode if s.trace.expected_ms > 0 and s.trace.plain_ms > 0]
+    out = {"k_hist": {str(k): n for k, n in summary.k_histogram.items()},
+           "expected_gain": summary.expected_gain, "realised_gain": summary.realised_gain,
+           "modelled_steps": len(modelled), "choose_ms": 1e3 * sum(run.choose_s for run in runs)}
     decode_ms = sum(s.total_ms for s in decode)
     out["controller_share"] = out["choose_ms"] / decode_ms if decode_ms else None
-    if modelled:
-        plain_rate = sum(s.batch_size for s in modelled) / sum(s.plain_ms for s in modelled)
-        out["expected_gain"] = sum(s.expected_tokens for s in modelled) / sum(s.expected_ms for s in modelled) / \
-            plain_rate
-        total = sum(s.total_ms for s in modelled)
-        out["realised_gain"] = sum(s.tokens_emitted for s in modelled) / total / plain_rate if total else None
     return out
 
 
@@ -437,6 +433,8 @@ def main() -> None:
                         help="palindrome: run the modes forward, then backward, and pool both runs (cancels drift; "
                              "twice the time); given: once each, in the order of --modes")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench.json")
+    parser.add_argument("--questions", type=Path, default=SPEC_BENCH,
+                        help="Spec-Bench's questions (JSONL: category, turns)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -466,7 +464,7 @@ def main() -> None:
             use_folded_sdpa(handle.model)
     eos = models.eos_ids(tgt.model, tgt.tokenizer)
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else eos[0]
-    picked = spec_bench_groups(SPEC_BENCH, args.prompts)
+    picked = spec_bench_groups(args.questions, args.prompts)
     prompt_ids = [render_prompt(tgt.tokenizer, p, True, None) for _, p in picked]
     if args.by_category:
         jobs = {}

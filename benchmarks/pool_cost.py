@@ -117,7 +117,8 @@ def timed_run(target, eos, reqs, mode: str, batch: int, window: int | None = Non
 def _caches(engine):
     pool = getattr(engine, "pool", None)
     if pool is not None:
-        return [pool.target, pool.draft]
+        table = getattr(pool, "table", pool)  # the slot table holds the caches since issue 36
+        return [table.target, table.draft]
     return [engine.tcache, getattr(engine, "dcache", None)]
 
 

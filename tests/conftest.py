@@ -14,6 +14,8 @@ nothing touches a model hub.
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import random
 import string
@@ -25,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from batchspec_cli.control import PLAIN, SPEC, Arms, Auto, Choice, FixedK, Goodput
-from batchspec_cli.events import StepStats
+from batchspec_cli.events import PolicyTrace, StepStats
 from batchspec_cli.models import cache_kwarg
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -299,9 +301,21 @@ def scheduled(k: int, seed: int) -> Auto:
     return policy
 
 
-def make_step(**fields) -> StepStats:
-    """A step with every field zero or empty but those given (tests of what reads the statistics)."""
-    zero = {"bucket": 0, "step": 0, "group_kind": "same_length", "batch_size": 1, "k": 0, "accepted": [],
-            "tokens_emitted": 0, "pad_before": 0, "pad_after": 0, "kv_moved": 0, "kv_gathered": 0, "draft_ms": 0.0,
-            "verify_ms": 0.0, "realign_ms": 0.0, "gather_ms": 0.0, "total_ms": 0.0}
-    return StepStats(**{**zero, **fields})
+def make_step(filled: bool = False, **fields) -> StepStats:
+    """A step with every field zero or empty but those given, the policy trace's fields included (tests of what
+    reads or writes the statistics). ``filled``: every field gets a non-default value by its type instead, so a
+    field that a writer drops, or a field added later, shows."""
+    by_type = {"int": 1, "float": 0.5, "str": "x", "list[int]": [1]} if filled else \
+        {"int": 0, "float": 0.0, "str": "", "list[int]": []}
+    record = {f.name: by_type[f.type.replace(" ", "")] for cls in (StepStats, PolicyTrace)
+              for f in dataclasses.fields(cls) if f.name != "trace"}
+    if not filled:
+        record.update(group_kind="same_length", batch_size=1)
+    return StepStats.from_record({**record, **fields})
+
+
+def round_step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, total_ms: float = 100.0,
+               **fields) -> StepStats:
+    """A step of ``rows`` rows at ``k`` whose time is all verify (tests of the statistics' summaries)."""
+    return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
+                     verify_ms=total_ms, total_ms=total_ms, **fields)

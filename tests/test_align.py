@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchspec_cli import align, attention
-from batchspec_cli.align import Layout, SlotCache, realign, selection
+from batchspec_cli.align import SlotCache, SlotTable, selection
 from batchspec_cli.attention import attention_inputs
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama
 
@@ -26,26 +26,32 @@ def marked_cache(n_slots: int, capacity: int, layers: int = 2) -> SlotCache:
 ENDS, PADS = [9, 7, 8], [2, 0, 3]  # the docstring's rows after their round
 
 
-def move(layout: Layout, caches, src: list[int], dst: list[int], new_end) -> int:
-    """``realign`` of the docstring's rows with one lag per cache; the KV entries copied, summed over rows."""
-    ends, pads = [ENDS[s] for s in src], [PADS[s] for s in src]
+def docstring_example(target: SlotCache | None = None, draft: SlotCache | None = None,
+                      draft_lag: list[int] | int = 2) -> SlotTable:
+    """A table holding the three rows of align.py's docstring after their round (ends 9, 7, 8; pads 2, 0, 3),
+    with the given caches (absent: empty ones); the draft cache lags each row by ``draft_lag`` columns."""
+    table = SlotTable(3, torch.device("cpu"), with_draft=True, capacity=12)
+    table.layout.tokens[:] = torch.arange(12)[None, :] + 100 * torch.arange(3)[:, None]
+    table.end, table.pad, table.live = list(ENDS), list(PADS), [0, 1, 2]
+    lags = [draft_lag] * 3 if isinstance(draft_lag, int) else draft_lag
+    table.draft_end = [e - lag for e, lag in zip(ENDS, lags)]
+    table.target, table.draft = target or SlotCache(3, 12), draft or SlotCache(3, 12)
+    return table
+
+
+def move(table: SlotTable, src: list[int], dst: list[int], new_end) -> int:
+    """``SlotTable.move`` of the docstring's rows; the KV entries copied, summed over rows."""
     new_ends = [new_end] * len(src) if isinstance(new_end, int) else list(new_end)
-    return sum(realign(layout, [(cache, [lag] * len(src)) for cache, lag in caches], src, dst, ends, new_ends, pads))
-
-
-def docstring_example() -> Layout:
-    """The three rows of align.py's docstring after their round (ends 9, 7, 8; pads 2, 0, 3)."""
-    layout = Layout.empty(3, 12, torch.device("cpu"))
-    layout.tokens[:] = torch.arange(12)[None, :] + 100 * torch.arange(3)[:, None]
-    return layout
+    return sum(table.move([(s, d, e) for s, d, e in zip(src, dst, new_ends)]))
 
 
 def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
-    layout = docstring_example()
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
+    table = docstring_example(target, draft)
+    layout = table.layout
     old_tokens = layout.tokens.clone()
     src = [0, 2]  # row 1 already ends at 7: it does not move
-    moved = move(layout, [(target, 1), (draft, 2)], src, src, 7)
+    moved = move(table, src, src, 7)
     # Content of each row, right-aligned at column 7, unchanged in order.
     assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[2, 2:7].tolist() == old_tokens[2, 3:8].tolist()
@@ -62,36 +68,45 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
     # Moved = each row's covered content columns (pads excluded) x layers, over both caches, counted from the
     # index tensors: row 0 has content 7 (target covers 6, draft 5), row 2 content 5 (4 and 3).
     assert moved == (6 + 4) * 2 + (5 + 3) * 1
+    # The geometry moved with them: pads shift by the same amount as ends, and so do draft ends.
+    assert (table.end, table.pad, table.draft_end, table.live) == ([7, 7, 7], [0, 0, 2], [5, 5, 5], [0, 1, 2])
 
 
 def test_realign_compacts_rows_into_lower_slots():
-    layout = docstring_example()
     cache = marked_cache(3, 12, layers=1)
-    move(layout, [(cache, 1)], [2], [0], 8)  # row 0 finished; row 2 moves into slot 0, same end
+    table = docstring_example(cache)
+    layout = table.layout
+    table.free(0)  # row 0 finished; row 2 moves into slot 0, same end
+    move(table, [2], [0], 8)
     assert layout.tokens[0, 3:8].tolist() == list(range(203, 208))
     assert cache.keys[0][0, 0, 3:7, 0].tolist() == [203, 204, 205, 206]
+    assert table.live == [0, 1] and (table.end[0], table.pad[0]) == (8, 3)
+    assert table.free_slots() == [2]
 
 
 def test_realign_with_per_row_ends_swaps_rows_between_slots():
     """EXSPEC assembles a group by trading slots; each row keeps (or gets) its own end."""
-    layout = docstring_example()
     cache = marked_cache(3, 12, layers=1)
+    table = docstring_example(cache)
+    layout = table.layout
     old_tokens = layout.tokens.clone()
     # Row 0 (end 9) and row 2 (end 8) trade slots; row 2 is also realigned to end 9 on the way.
-    moved = move(layout, [(cache, 1)], [0, 2], [2, 0], [9, 9])
+    moved = move(table, [0, 2], [2, 0], [9, 9])
     assert layout.tokens[2, 2:9].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[0, 4:9].tolist() == old_tokens[2, 3:8].tolist()
     assert cache.keys[0][2, 0, 2:8, 0].tolist() == list(range(2, 8))  # row 0's entries, same columns
     assert cache.keys[0][0, 0, 4:8, 0].tolist() == list(range(203, 207))  # row 2's, shifted by one
     assert moved == 6 + 4  # content only: row 0 covers 6 columns, row 2 covers 4
+    assert (table.end, table.pad, table.draft_end) == ([9, 7, 9], [4, 0, 2], [7, 5, 7])
 
 
 def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
-    layout = docstring_example()  # capacity 12
     cache = marked_cache(3, 12, layers=1)
+    table = docstring_example(cache)  # capacity 12
+    layout = table.layout
     old_tokens = layout.tokens.clone()
     # Row 0 shifts left by 2 (end 9 -> 7) while row 2 moves right to 11: reads past row 0's end are clamped.
-    move(layout, [(cache, 1)], [0, 2], [0, 2], [7, 11])
+    move(table, [0, 2], [0, 2], [7, 11])
     assert layout.tokens[0, 0:7].tolist() == old_tokens[0, 2:9].tolist()
     assert layout.tokens[2, 6:11].tolist() == old_tokens[2, 3:8].tolist()
     assert cache.keys[0][0, 0, 0:6, 0].tolist() == list(range(2, 8))
@@ -99,17 +114,19 @@ def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
 
 
 def test_realign_of_nothing_moves_nothing():
-    layout = docstring_example()
-    assert move(layout, [(marked_cache(3, 12), 1)], [], [], 9) == 0
+    table = docstring_example(marked_cache(3, 12))
+    assert move(table, [], [], 9) == 0
+    assert (table.end, table.pad) == (ENDS, PADS)
 
 
 def test_realign_moves_each_row_by_its_own_lag():
     """A draft cache that lags differently per row (plain steps, lazy prefill) moves only what it covers."""
-    layout = docstring_example()
     draft = marked_cache(3, 12, layers=1)
+    table = docstring_example(draft=draft, draft_lag=[2, 0, 5])
     before = draft.keys[0].clone()
     # Row 0 covers [0, 7) (lag 2), row 2 covers nothing yet (lag = its content 5: a draft never prefilled).
-    moved = realign(layout, [(draft, [2, 5])], [0, 2], [0, 2], [9, 8], [7, 7], [2, 3])
+    # The target cache holds nothing (no layer yet): it copies nothing.
+    moved = table.move([(0, 0, 7), (2, 2, 7)])
     assert moved == [5, 0]
     moved = sum(moved)
     assert draft.keys[0][0, 0, 0:5, 0].tolist() == [2, 3, 4, 5, 6]
@@ -129,17 +146,20 @@ def _fail_on_call(n: int, real):
 
 
 def test_realign_out_of_memory_midway_leaves_layout_and_caches_as_they_were(monkeypatch):
-    layout = docstring_example()
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
+    table = docstring_example(target, draft)
+    layout = table.layout
     snapshot = [layout.tokens.clone()] + \
         [t.clone() for c in (target, draft) for t in c.keys + c.values]
+    geometry = (list(table.end), list(table.pad), list(table.draft_end), list(table.live))
     fail, calls = _fail_on_call(3, align._gather)  # after two layers' copies were made
     monkeypatch.setattr(align, "_gather", fail)
     with pytest.raises(torch.OutOfMemoryError):
-        move(layout, [(target, 1), (draft, 2)], [0, 2], [0, 2], 7)
+        move(table, [0, 2], [0, 2], 7)
     assert calls["n"] == 3
     after = [layout.tokens] + [t for c in (target, draft) for t in c.keys + c.values]
     assert all(torch.equal(a, b) for a, b in zip(after, snapshot))
+    assert (table.end, table.pad, table.draft_end, table.live) == geometry
 
 
 def test_grow_is_all_or_nothing_and_falls_back_to_the_exact_need(monkeypatch):
@@ -158,6 +178,30 @@ def test_grow_is_all_or_nothing_and_falls_back_to_the_exact_need(monkeypatch):
     with pytest.raises(align.CacheFull):
         cache.grow(200)
     assert cache.capacity == 72 and all(t.shape[2] == 72 for t in cache.keys + cache.values)
+
+
+def test_the_table_carries_out_the_docstring_example():
+    """align.py's worked example through the table's verbs: place three rows at end 6, commit the round's tokens,
+    realign to the longest content; pads, ends, draft ends, the live set and the tokens are the docstring's."""
+    table = SlotTable(4, torch.device("cpu"), with_draft=True, capacity=8)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13]]  # "a b c d", "e f g h i j", "k l m"
+    table.place([0, 1, 2], prompts, 6, pad_id=0)
+    assert (table.end, table.pad, table.draft_end, table.live) == ([6, 6, 6, 0], [2, 0, 3, 0], [2, 0, 3, 0],
+                                                                   [0, 1, 2])
+    assert table.free_slots() == [3] and table.pads([2, 0]).tolist() == [3, 2]
+    table.layout.grow(6 + 3)  # the round's block (the engine grows the layout before it writes)
+    for slot, emitted, new in ((0, 3, [21, 22, 23]), (1, 1, [31]), (2, 2, [41, 42])):  # accepts 2+1, 0+1, 1+1
+        table.layout.tokens[slot, 6 : 6 + emitted] = torch.tensor(new)
+        table.commit(slot, emitted, draft_refed=True)
+    assert table.end[:3] == [9, 7, 8] and table.draft_end[:3] == [7, 5, 6]
+    moves = [(s, s, 7) for s in (0, 1, 2) if table.end[s] != 7]  # EQSPEC: to the longest content, 7
+    table.move(moves)
+    assert table.pad[:3] == [0, 0, 2] and table.end[:3] == [7, 7, 7] and table.draft_end[:3] == [5, 5, 5]
+    assert table.layout.tokens[0, :7].tolist() == [1, 2, 3, 4, 21, 22, 23]
+    assert table.layout.tokens[1, :7].tolist() == [5, 6, 7, 8, 9, 10, 31]
+    assert table.layout.tokens[2, 2:7].tolist() == [11, 12, 13, 41, 42]
+    table.free(1)
+    assert table.live == [0, 2] and table.free_slots() == [1, 3]
 
 
 def test_attention_inputs_mask_and_positions():

@@ -438,8 +438,8 @@ def test_outputs_equal_ar_under_every_arm_schedule(target, draft, prompts, batch
                          lookups=drafters.make(names))
     assert [results[i].token_ids for i in range(len(prompts))] == references
     rounds = [s for s in stats if s.group_kind != "prefill"]
-    assert {s.arm for s in rounds} == {PLAIN, SPEC} and any(s.k for s in rounds), "both arms ran, and speculated"
-    assert all(s.k == 0 for s in rounds if s.arm == PLAIN)
+    assert {s.trace.arm for s in rounds} == {PLAIN, SPEC} and any(s.k for s in rounds), "both arms ran, and speculated"
+    assert all(s.k == 0 for s in rounds if s.trace.arm == PLAIN)
     sampled_ar, _ = run(target, None, prompts, mode="ar", batch_size=batch_size, settings=SAMPLED)
     sampled, _ = run(target, d, prompts, mode="auto", k=k, batch_size=batch_size, policy=scheduled(k, seed + 50),
                      settings=SAMPLED, lookups=drafters.make(names))
@@ -456,14 +456,14 @@ def test_auto_equals_ar_and_records_its_arms_and_windows(target, draft, prompts,
     results, stats = run(target, draft, prompts, mode="auto", k=4, batch_size=4)
     assert [results[i].token_ids for i in range(len(prompts))] == references
     rounds = [s for s in stats if s.group_kind != "prefill"]
-    assert rounds[0].arm == PLAIN and {s.arm for s in rounds} == {PLAIN, SPEC}
-    assert all(s.k == 0 and s.plain_ms == 0 for s in rounds if s.arm == PLAIN)
-    spec = [s for s in rounds if s.arm == SPEC]
-    assert all(s.plain_ms > 0 for s in spec), "SPEC's costs are measured (calibration, then its rounds)"
-    assert all(0 <= s.k <= 4 and s.expected_tokens >= s.batch_size * (s.k > 0) for s in spec)
+    assert rounds[0].trace.arm == PLAIN and {s.trace.arm for s in rounds} == {PLAIN, SPEC}
+    assert all(s.k == 0 and s.trace.plain_ms == 0 for s in rounds if s.trace.arm == PLAIN)
+    spec = [s for s in rounds if s.trace.arm == SPEC]
+    assert all(s.trace.plain_ms > 0 for s in spec), "SPEC's costs are measured (calibration, then its rounds)"
+    assert all(0 <= s.k <= 4 and s.trace.expected_tokens >= s.batch_size * (s.k > 0) for s in spec)
     assert all(s.drafter == ("model" if s.k else "") for s in rounds)
-    closing = [s for s in rounds if s.window_tokens_per_s > 0]
-    assert len(closing) >= len(rounds) // 3 - 1 and {s.arm for s in closing} == {PLAIN, SPEC}
+    closing = [s for s in rounds if s.trace.window_tokens_per_s > 0]
+    assert len(closing) >= len(rounds) // 3 - 1 and {s.trace.arm for s in closing} == {PLAIN, SPEC}
 
 
 @pytest.mark.parametrize("sized", [True, False])
@@ -533,7 +533,7 @@ def test_auto_on_a_short_job_stays_plain_and_never_calibrates_or_prefills_the_dr
     monkeypatch.setattr(Engine, "_calibrate", lambda self, *a: calls.append("calibrate"))
     monkeypatch.setattr(Engine, "_prefill_draft", lambda self, *a: calls.append("prefill"))
     results, stats = run(target, draft, prompts[:6], mode="auto", k=4, batch_size=4)
-    assert all(s.k == 0 and s.arm == PLAIN for s in stats if s.group_kind != "prefill") and not calls
+    assert all(s.k == 0 and s.trace.arm == PLAIN for s in stats if s.group_kind != "prefill") and not calls
 
 
 # ---------------------------------------------------------------------------- the sampled distribution

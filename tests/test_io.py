@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -17,13 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchspec_cli import files, inputs
-from batchspec_cli.events import RowResult, StepStats
+from batchspec_cli.events import RowResult
 from batchspec_cli.errors import InputError
 from batchspec_cli.files import check_output_path
 from batchspec_cli.inputs import read_completions, read_input, read_run_metadata
 from batchspec_cli.outputs import (OUTPUT_COLUMNS, results_from_table, results_table, stats_from_table, stats_path_for,
                                    stats_table, write_completions, write_stats)
 from batchspec_cli.prompts import render_prompt
+from conftest import make_step
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -588,21 +588,15 @@ def test_write_is_atomic(tmp_path, monkeypatch, existing):
         assert list(tmp_path.iterdir()) == []
 
 
-def make_stats(**values) -> StepStats:
-    """A StepStats with every field filled (fields added later get a value by type)."""
-    by_type = {"int": 1, "float": 0.5, "str": "x", "list[int]": [1], "list[float]": [0.5]}
-    filled = {
-        f.name: by_type[str(f.type).replace(" ", "").removesuffix("|None")]
-        for f in dataclasses.fields(StepStats)
-    }
-    filled.update(values)
-    return StepStats(**filled)
+STATS_COLUMNS = ["bucket", "step", "group_kind", "batch_size", "k", "accepted", "tokens_emitted", "pad_before",
+                 "pad_after", "kv_moved", "kv_gathered", "draft_ms", "verify_ms", "realign_ms", "gather_ms", "total_ms",
+                 "drafter", "drafted", "expected_tokens", "expected_ms", "plain_ms", "arm", "window_tokens_per_s"]
 
 
 def test_write_stats_round_trip(tmp_path):
     stats = [
-        make_stats(
-            bucket=0, step=s, group_kind="same_length" if s % 2 else "realigned", batch_size=3,
+        make_step(
+            filled=True, bucket=0, step=s, group_kind="same_length" if s % 2 else "realigned", batch_size=3,
             k=5, accepted=[s, 0, 5], kv_moved=3 * 10**9, verify_ms=10.0 + s,
         )
         for s in range(3)
@@ -610,7 +604,9 @@ def test_write_stats_round_trip(tmp_path):
     path = tmp_path / "out.stats.parquet"
     write_stats(path, stats, {"mode": "exspec"})
     table = pq.read_table(path)
-    assert table.to_pylist() == [dict(vars(s)) for s in stats]
+    assert table.column_names == STATS_COLUMNS  # the facts, then the policy's trace, one column each
+    assert table.to_pylist() == [s.record() for s in stats]
+    assert stats_from_table(table) == stats
     assert table.schema.field("accepted").type == pa.list_(pa.int32())
     assert table.schema.field("kv_moved").type == pa.int64()
     assert read_run_metadata(path) == {"mode": "exspec"}
@@ -621,7 +617,7 @@ def test_write_stats_empty(tmp_path):
     write_stats(path, [], {"mode": "ar"})
     table = pq.read_table(path)
     assert table.num_rows == 0
-    assert table.column_names == [f for f in StepStats.__dataclass_fields__]
+    assert table.column_names == STATS_COLUMNS
     assert read_run_metadata(path) == {"mode": "ar"}
 
 
@@ -740,7 +736,7 @@ def test_results_and_stats_tables_round_trip():
                          accepted_tokens=2, rounds=1, prompt_tokens=9),
                RowResult(row=2**40, id="b", token_ids=[], finish_reason="stop")]
     assert results_from_table(results_table(results)) == results
-    stats = [StepStats(bucket=1, step=2, group_kind="realigned", batch_size=3, k=4, accepted=[1, 0, 4],
+    stats = [make_step(bucket=1, step=2, group_kind="realigned", batch_size=3, k=4, accepted=[1, 0, 4],
                        tokens_emitted=8, pad_before=2, pad_after=1, kv_moved=2**40, kv_gathered=5, draft_ms=1.5,
-                       verify_ms=2.25, realign_ms=0.0, gather_ms=0.125, total_ms=4.0)]
+                       verify_ms=2.25, realign_ms=0.0, gather_ms=0.125, total_ms=4.0, arm="spec", plain_ms=3.0)]
     assert stats_from_table(stats_table(stats)) == stats

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchspec_cli import align, control, drafters, pool
+from batchspec_cli import align, control, drafters
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult, StepStats
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
@@ -44,7 +44,7 @@ def watch_growths(monkeypatch, engine_ref: list) -> list[tuple[int, int]]:
     def spy(cache, rows, capacity):
         before = cache.copied_rows
         real(cache, rows, capacity)
-        seen.append((cache.copied_rows - before, len(engine_ref[0].pool.live)))
+        seen.append((cache.copied_rows - before, len(engine_ref[0].pool.table.live)))
     monkeypatch.setattr(align.SlotCache, "_resize", spy)
     return seen
 
@@ -73,7 +73,7 @@ def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target):
         engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=batch))
         results, stats = run(engine, prompts, 20)
         assert [results[i].token_ids for i in range(2)] == [greedy_reference(target, p, 20, []) for p in prompts]
-        cache = engine.pool.target
+        cache = engine.pool.table.target
         sizes[batch] = sum(t.numel() for t in cache.keys + cache.values)
         assert cache.rows == 2 and cache.capacity >= max(map(len, prompts)) + 20
     assert sizes[64] == sizes[2]
@@ -114,8 +114,8 @@ def test_a_step_label_comes_from_the_grouping_decision_not_from_the_kv_count(tar
 
     _, stats = run_engine_rows(target, draft, prompts, cfg, eos=[])
     assert any(s.group_kind == "realigned" for s in stats) and consistent(stats)
-    real = pool.realign
-    monkeypatch.setattr(pool, "realign", lambda *args: [0] * len(real(*args)))  # moves, but counts nothing
+    real = align.SlotTable.realign
+    monkeypatch.setattr(align.SlotTable, "realign", lambda *args: [0] * len(real(*args)))  # moves, counts nothing
     results, stats = run_engine_rows(target, draft, prompts, cfg, eos=[])
     assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 13, []) for p in prompts]
     assert any(s.group_kind == "realigned" for s in stats)
@@ -180,8 +180,8 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     results, stats = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
     assert all(s.k == 0 for s in stats if s.group_kind != "prefill")
-    assert engine.pool.target.rows <= 4, "slots beyond one batch were filled"
-    assert engine.pool.draft is None or not engine.pool.draft.keys, "the draft never ran, so no draft KV"
+    assert engine.pool.table.target.rows <= 4, "slots beyond one batch were filled"
+    assert engine.pool.table.draft is None or not engine.pool.table.draft.keys, "the draft never ran, so no draft KV"
     # A SPEC trial (PLAIN still the incumbent) speculates on the batch in flight; SPEC as the incumbent fills.
     policy = control.Auto(3)
     policy.arms = _SpecTrial()
@@ -189,8 +189,8 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
                     EngineConfig(mode="auto", k=3, batch_size=4, window=16), policy=policy)
     results, stats = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
-    assert all(s.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
-    assert engine.pool.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
+    assert all(s.trace.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
+    assert engine.pool.table.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
     # SPEC as the incumbent fills the window while its rounds speculate, and holds one batch while its ruler picks
     # plain steps (the rows stay in step: extra rows would only grow the KV).
     for spec, fills in ((_Speculating(3), True), (_PlainSteps(3), False)):
@@ -201,13 +201,13 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
         results, stats = run(engine, prompts, 12)
         assert [results[i].token_ids for i in range(14)] == references
         assert all((s.k > 0) == fills for s in stats if s.group_kind != "prefill")
-        assert (engine.pool.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
+        assert (engine.pool.table.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
     # A policy that speculates fills the window.
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
     results, _ = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
-    assert engine.pool.target.rows > 4
+    assert engine.pool.table.target.rows > 4
 
 
 def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
@@ -232,7 +232,7 @@ def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
     last_admission = max(i for i, s in enumerate(steps) if s.group_kind == "prefill")
     rounds = [s for s in steps[:last_admission] if s.group_kind != "prefill"]
     assert len(rounds) > 10 and all(s.batch_size == 8 for s in rounds), [s.batch_size for s in rounds]
-    assert engine.pool.target.rows <= 8
+    assert engine.pool.table.target.rows <= 8
 
 
 class _CountingSuffix(drafters.SuffixDrafter):
