@@ -99,13 +99,12 @@ class _Unlearning:
 
 
 class ModelDrafter(_Unlearning):
-    """The draft model and its slot cache (moved by realignment with the target's)."""
+    """The draft model and a run's draft slot cache (the slot table's, moved by realignment with the target's)."""
 
     name = "model"
 
-    def __init__(self, model: torch.nn.Module, cache_kwarg: str, vocab: int):
-        self.model, self.cache_kwarg, self.vocab = model, cache_kwarg, vocab
-        self.cache: SlotCache | None = None  # set per run by the engine
+    def __init__(self, model: torch.nn.Module, cache_kwarg: str, vocab: int, cache: SlotCache):
+        self.model, self.cache_kwarg, self.vocab, self.cache = model, cache_kwarg, vocab, cache
 
     @torch.no_grad()
     def prefill(self, rows_index: Selection, tokens: torch.Tensor, pad: torch.Tensor) -> None:

@@ -252,8 +252,7 @@ class Engine:
         self.admission = admission  # the run's requests, read as free slots ask for them
         self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
         self.table, self.state = self.pool.table, self.pool.state  # the slots' geometry; the rows' state
-        if self.model_drafter is not None:
-            self.model_drafter.cache = self.table.draft
+        self.model_drafter = None  # the run's drafter, on the run's draft cache: built at its first use
         self.step_no = 0
         self.max_group = self.cfg.batch_size  # halved on out-of-memory
         self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
@@ -336,13 +335,13 @@ class Engine:
 
     @torch.no_grad()
     def _drafter(self) -> ModelDrafter:
-        """The draft model's drafter, its model loaded on first use (within a run: it runs folded attention too)."""
+        """The run's draft-model drafter on the run's draft cache; the model is loaded on first use (within a run:
+        it runs folded attention too)."""
         if self.model_drafter is None:
             if self.draft is None:
                 self.draft = self._load_draft()
                 self._models.enter_context(folded_sdpa(self.draft.model))
-            self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab)
-            self.model_drafter.cache = self.table.draft
+            self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab, self.table.draft)
         return self.model_drafter
 
     def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
