@@ -1,7 +1,7 @@
 """Constrained decoding: a row's answer in the shape the job needs (JSON schema, any JSON object, regex, choice).
 
 A constraint is a *mask* on the target's logits that is a pure function of the row's own
-committed prefix (DESIGN §14): at every position the row's token is
+committed prefix (docs/design.md, "Constrained decoding"): at every position the row's token is
 ``argmax(warp(masked logits) + g)``, ``g`` the row's Gumbel noise (``sampling``; g = 0 for
 greedy rows). Tokens the grammar refuses get ``-inf`` before temperature, top-k and top-p
 (as vLLM applies its grammar bitmask); EOS is allowed only where the grammar accepts. Every

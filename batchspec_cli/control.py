@@ -38,8 +38,9 @@ EXPLORE_EVERY = 25  # rounds of a group size between two re-measurements of a ne
 NEAR_BEST = 0.85  # options within this share of the best goodput may be re-measured
 OUTLIER = 3.0  # a round measured at more than this x its estimate counts as this x
 # A verify of k + 1 tokens is priced at (1 + WIDTH_PRIOR * k) plain steps until a real round of that width is
-# measured (only PLAIN's forced rounds need it: SPEC's are seeded by calibration). This CPU measured 0.13 per
-# token at batch 1 and 0.25-0.35 at batch 8-16 (DESIGN 12), a GPU about 0: the prior is the pessimistic side.
+# measured (only PLAIN's forced rounds need it: SPEC's are seeded by calibration). A 6-token verify cost 1.65
+# plain steps at batch 1 and 2.2-2.7 at batch 8-16 on a 2-core CPU (0.13 and 0.25-0.35 per extra token), about 1
+# on a GPU: the prior is the pessimistic side (docs/design.md, "The speculation policy in detail").
 WIDTH_PRIOR = 0.5
 JOB_DECAY = 0.999  # the job-wide acceptance forgets slowly: it is the prior of rows to come
 
