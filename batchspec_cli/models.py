@@ -578,6 +578,17 @@ def plain_experts(model: PreTrainedModel) -> None:
         model.set_experts_implementation("eager")
 
 
+def check_draft_vocab(target_spec: str | None, draft_spec: str) -> None:
+    """``check_vocab`` for two model specs, before any weights load. A shared-embedding draft (the shipped one)
+    has no vocabulary of its own: it reads the target's embeddings, whose digest ``check_draft`` compares, so
+    nothing needs loading for it."""
+    draft_name, draft_folder = _resolve(draft_spec, True)
+    if (draft_folder / SHARED_DRAFT_FILE).is_file():
+        return
+    target_tok, target_name = load_tokenizer(target_spec, quiet=True)
+    check_vocab(target_tok, load_tokenizer(draft_spec, quiet=True)[0], target_name, draft_name)
+
+
 def check_vocab(
     target_tok: PreTrainedTokenizerBase,
     draft_tok: PreTrainedTokenizerBase,

@@ -186,12 +186,11 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
         mode = "ar"
     if mode == "ar":
         draft_spec, lookup_names = None, []
-    target_tok, target_name = models.load_tokenizer(cfg.target, quiet=True)
     if draft_spec is not None:
-        draft_tok, draft_name = models.load_tokenizer(draft_spec, quiet=True)
-        models.check_vocab(target_tok, draft_tok, target_name, draft_name)
+        models.check_draft_vocab(cfg.target, draft_spec)
 
     loaded = assemble(cfg, mode, draft_spec, lookup_names, quiet=cfg.quiet)
+    target_name = loaded.target.name
     notes += loaded.notes
     inp, overrides = source.inp, source.overrides
     if source.bucket_dir is not None:
