@@ -57,6 +57,9 @@ FAMILIES = {
                                              multi_query=True, bos_token_id=2, eos_token_id=1, pad_token_id=0,
                                              initializer_range=0.2),
                              tf.FalconForCausalLM),
+    "mpt": lambda: (tf.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256,
+                                 bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.2),
+                    tf.MptForCausalLM),  # ALiBi, no position ids
     "deepseek_v3": lambda: (tf.DeepseekV3Config(**_sizes(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
                                                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
                                                          n_routed_experts=4, num_experts_per_tok=2, n_group=1,
