@@ -49,7 +49,7 @@ from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
 from .inputs import id_array, row_value
-from .plan import JobPlan, plan_job
+from .plan import JobPlan, plan_job, release_free_memory
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
@@ -394,6 +394,7 @@ class Generation:
         meta = metadata(cfg, plan)
         self.work.mark_finishing()
         merge.regroup(self.work.part_paths("rows"), self.work.fresh_merge(), plan.total_rows)
+        release_free_memory()  # what regrouping freed, before the ranges are written
         summary = {"rows": 0, "errors": 0, "completion_tokens": 0, "first_errors": []}
         pieces = self._output_pieces(summary)
         if plan.output_format == "openai":

@@ -11,6 +11,7 @@ different fingerprint), or tokenize every prompt into length buckets in the work
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import shutil
 from dataclasses import dataclass, field
@@ -128,7 +129,20 @@ def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
     inp = plan.inp
     path = work.keep_input(inp.table, merge.range_rows(plan.total_rows))
     kept = dataclasses.replace(inp, table=inp.table.schema.empty_table(), prompts=(), written={})
-    return dataclasses.replace(plan, inp=kept, passthrough=path)
+    plan = dataclasses.replace(plan, inp=kept, passthrough=path)
+    release_free_memory()
+    return plan
+
+
+def release_free_memory() -> None:
+    """Hand the memory that reading, tokenizing and bucketing freed back to the system (Arrow's pool and the C
+    heap keep freed memory for reuse, and the job's later peaks would stand on top of it): at 100k rows of
+    the scale benchmark, 577 MB resident after bucketing, 468 MB after this."""
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is no such call and nothing to do
+    except (OSError, AttributeError):
+        pass
 
 
 def _check_output(cfg: GenerateConfig, work: WorkDir) -> tuple[Path, dict | None]:
