@@ -5,6 +5,10 @@ Input is JSON lines (`.jsonl`, `.ndjson`) or Parquet (`.parquet`, `.pq`). Every 
 user can cause with a bad file is an `InputError` whose one-line message names the file
 and, where it applies, the line (JSONL, 1-based, blank lines counted) or row (Parquet,
 1-based) and the column.
+
+A JSONL file is parsed ``CHUNK_ROWS`` lines at a time (``jsonl_chunked_table``), and the prompts
+and ids are never Python lists for the whole input: ``Prompts`` parses a chunk of the prompt
+column when asked, ``Ids`` is one Arrow string array.
 """
 
 from __future__ import annotations

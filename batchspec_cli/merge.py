@@ -2,9 +2,10 @@
 
 ``regroup`` reads the rows parts one at a time and sorts their rows by input *range*
 (``range_rows`` consecutive rows each) into small files of the work directory's ``merge/``,
-holding at most ``BUFFER_BYTES`` of rows between writes (compacted every ``COMPACT_TABLES`` pieces); ``ranges`` then reads one range at
-a time, sorted by row, and checks it holds every row of the range exactly once. The finish
-writes each range as it comes (a row group of OUT), so its memory is one part, the buffer
+holding at most ``BUFFER_BYTES`` of rows between writes (each range's pieces compacted every
+``COMPACT_TABLES``); ``ranges`` then reads one range at a time, sorted by row, and checks it
+holds every row of the range exactly once. The finish writes each range as it comes (a row
+group of OUT, beside the same range of the kept input), so its memory is one part, the buffer
 and one range: never the job. ``merge/`` is scratch: a finish killed midway makes it again.
 """
 

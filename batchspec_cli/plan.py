@@ -5,8 +5,9 @@ output's lock (``work``); read the input (bad input fails before any model loads
 tokenizers (a mismatched draft is refused before its weights load), the models and the
 engine (``assembly.assemble``); then either resume this job's interrupted run (its saved
 rows and steps, its length buckets, made again when damaged), refuse another job's work (a
-different fingerprint), or tokenize every prompt into length buckets in the work directory.
-``job.Generation`` runs the plan.
+different fingerprint), or tokenize every prompt into length buckets in the work directory;
+last, write the input's columns to the work directory and let go of them (``JobPlan.passthrough``):
+an open job holds the ids (one Arrow array), not the input. ``job.Generation`` runs the plan.
 """
 
 from __future__ import annotations
