@@ -10,6 +10,9 @@ A job keeps its state in a *work directory* beside ``OUT`` (``.OUT.batchspec-wor
     parts/part-000001.stats.parquet    step statistics produced since the previous part
     merge/                             the finish's rows regrouped by input range (``merge``), made again
                                        by a rerun
+    input/rows.parquet                 the input's columns in input order, one row group per range of the
+                                       finish: what OUT passes through, read a range at a time (written
+                                       at every open)
 
 Every file is written under a temporary name, fsynced, renamed into place and its directory
 fsynced, so a part exists whole or not at all, whatever stops the process (SIGKILL, power
@@ -51,11 +54,12 @@ import pyarrow.parquet as pq
 from .errors import one_line
 from .events import RowResult, StepStats
 from .files import create_temp, fsync_directory, naming, pid_alive
-from .outputs import part_schema, results_table, stats_table, write_table_atomic
+from .outputs import part_schema, results_table, stats_table, write_parquet_stream_atomic, write_table_atomic
 
 JOB_FORMAT = "batchspec-job"
 JOB_VERSION = 1
 LOCK_NAME, JOB_NAME, PARTS_NAME, BUCKETS_NAME, MERGE_NAME = "lock", "job.json", "parts", "buckets", "merge"
+INPUT_NAME = "input"
 _UNREADABLE_LOCK_GRACE_S = 10.0  # an empty/garbled lock younger than this may be mid-write
 
 
@@ -89,6 +93,7 @@ class WorkDir:
         self.parts = self.path / PARTS_NAME
         self.buckets = self.path / BUCKETS_NAME
         self.merge = self.path / MERGE_NAME
+        self.input = self.path / INPUT_NAME
         self.locked = False
         self._next_part = 1
 
@@ -283,13 +288,25 @@ class WorkDir:
 
     def fresh_merge(self) -> Path:
         """An empty merge/ for the finish (what a finish killed midway left there is removed first)."""
+        return self._fresh(self.merge)
+
+    def _fresh(self, directory: Path) -> Path:
+        """``directory`` (one of the work directory's own) made again, empty."""
         check_own_directory(self.path)
-        if os.path.lexists(self.merge):
-            check_own_directory(self.merge)
-            _refuse_links_in(self.merge)
-            shutil.rmtree(self.merge)
-        self.merge.mkdir()
-        return self.merge
+        if os.path.lexists(directory):
+            check_own_directory(directory)
+            _refuse_links_in(directory)
+            shutil.rmtree(directory)
+        directory.mkdir()
+        return directory
+
+    def keep_input(self, table: pa.Table, group_rows: int) -> Path:
+        """Write the input's columns (in input order, ``group_rows`` rows a row group) to input/rows.parquet,
+        so the job need not hold them; returns its path. Made again at every open."""
+        path = self._fresh(self.input) / "rows.parquet"
+        pieces = (table.slice(first, group_rows) for first in range(0, table.num_rows, group_rows))
+        write_parquet_stream_atomic(path, pieces, None, table.schema)
+        return path
 
     def part_paths(self, kind: str) -> list[Path]:
         """The parts of one kind ("rows" or "stats"), in part order."""
@@ -320,7 +337,7 @@ class WorkDir:
             write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", results_table(results))
 
 
-_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|{MERGE_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
+_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|{MERGE_NAME}|{INPUT_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
                         rf"|\.{LOCK_NAME}\.stale-.+|\.{BUCKETS_NAME}\.(tmp|old)-.+)")
 
 

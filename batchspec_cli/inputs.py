@@ -5,6 +5,10 @@ Input is JSON lines (`.jsonl`, `.ndjson`) or Parquet (`.parquet`, `.pq`). Every 
 user can cause with a bad file is an `InputError` whose one-line message names the file
 and, where it applies, the line (JSONL, 1-based, blank lines counted) or row (Parquet,
 1-based) and the column.
+
+A JSONL file is parsed ``CHUNK_ROWS`` lines at a time (``jsonl_chunked_table``), and the prompts
+and ids are never Python lists for the whole input: ``Prompts`` parses a chunk of the prompt
+column when asked, ``Ids`` is one Arrow string array.
 """
 
 from __future__ import annotations
@@ -12,11 +16,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import constraints
@@ -32,14 +40,79 @@ DEFAULT_ID_COLUMN = "id"
 MAX_NESTING = 32  # a column nested deeper (lists / objects in lists...) is stored as JSON text: Parquet's limit is ~50
 
 Prompt = str | list[dict]
+CHUNK_ROWS = 8192  # rows parsed, validated and held as Python objects at a time (never the whole input)
+
+
+class Ids(Sequence):
+    """[rows] the rows' ids as strings, held as one Arrow string array (a few bytes a row, no Python objects)."""
+
+    def __init__(self, array: pa.Array | pa.ChunkedArray):
+        self.array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.array[index].to_pylist()
+        return self.array[index].as_py()
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __iter__(self):
+        for start in range(0, len(self.array), CHUNK_ROWS):
+            yield from self.array.slice(start, CHUNK_ROWS).to_pylist()
+
+
+def id_array(ids: Sequence[str]) -> pa.Array:
+    """[rows] ids as an Arrow string array (an ``Ids``' own array, no copy)."""
+    return ids.array if isinstance(ids, Ids) else pa.array(list(ids), type=pa.string())
+
+
+class Prompts(Sequence):
+    """[rows] the rows' prompts, parsed from the table's prompt column a chunk at a time when asked for (none is
+    held): a plain string, or chat messages; "" for a row whose cell is no prompt (its reason is in the table's
+    ``errors``)."""
+
+    def __init__(self, inp: "InputTable", column: str):
+        self.inp, self.column = inp, column
+
+    def __len__(self) -> int:
+        return self.inp.table.num_rows
+
+    def chunk(self, start: int, stop: int) -> list[Prompt]:
+        """The prompts of rows [start, stop)."""
+        out = []
+        for row, value in enumerate(self.inp.cells(self.column, start, stop), start=start):
+            try:
+                out.append("" if row in self.inp.errors else parse_prompt(value, self.column))
+            except BadPrompt:
+                out.append("")
+        return out
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = index + len(self) if index < 0 else index
+        if not 0 <= row < len(self):
+            raise IndexError(index)
+        return self.chunk(row, row + 1)[0]
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    def __iter__(self):
+        for start in range(0, len(self), CHUNK_ROWS):
+            yield from self.chunk(start, min(len(self), start + CHUNK_ROWS))
 
 
 @dataclass
 class InputTable:
     path: Path
     table: pa.Table  # every input column as read (after --limit), in input order: what the output passes through
-    prompts: list[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]; "" for a row in errors
-    ids: list[str]  # [rows] the row's id as a string
+    prompts: Sequence[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]; "" for a row in errors
+    ids: Sequence[str]  # [rows] the row's id as a string (a file's: ``Ids``, an Arrow array)
     # Only for inputs that carry their own per-row requests (an OpenAI batch file, see openai_batch):
     overrides: dict[str, list] = field(default_factory=dict)  # setting -> [rows] value or None (as row_overrides)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
@@ -51,6 +124,12 @@ class InputTable:
     def values(self, column: str) -> list:
         """[rows] a column's values as the input wrote them (a list stays a list; not its text in `table`)."""
         return self.written[column] if column in self.written else self.table.column(column).to_pylist()
+
+    def cells(self, column: str, start: int, stop: int) -> list:
+        """A column's values of rows [start, stop) as the input wrote them (see ``values``)."""
+        if column in self.written:
+            return self.written[column][start:stop]
+        return self.table.column(column).slice(start, stop - start).to_pylist()
 
 
 class BadPrompt(ValueError):
@@ -80,19 +159,24 @@ def read_input(
     check_readable_file(path)
     if suffix in PARQUET_SUFFIXES:
         return table_input(path, _read_parquet(path, limit), prompt_column, id_column)
-    lines = read_jsonl(path, limit, soft=prompt_column)
-    table, written = jsonl_table(lines.rows)
-    return table_input(path, table, prompt_column, id_column, lines.where, written, lines.bad)
+    table, line_numbers, bad = jsonl_chunked_table(path, limit, soft=prompt_column)
+    if table is None:  # a column whose kind changes between chunks: read as one, as a whole-file reader would
+        lines = read_jsonl(path, limit, soft=prompt_column)
+        table, written = jsonl_table(lines.rows)
+        return table_input(path, table, prompt_column, id_column, lines.where.__getitem__, written, lines.bad)
+    return table_input(path, table, prompt_column, id_column, lambda i: f"line {line_numbers[i]}", errors=bad)
 
 
-def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str, where: list[str] | None = None,
-                written: dict[str, list] | None = None, errors: dict[int, str] | None = None) -> InputTable:
+def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
+                where: Callable[[int], str] | None = None, written: dict[str, list] | None = None,
+                errors: dict[int, str] | None = None) -> InputTable:
     """Validate a table read from any source and extract prompts and ids (see read_input).
 
-    ``where[i]`` names row i in messages (default "row i+1"); ``written``: the values as written of the
+    ``where(i)`` names row i in messages (default "row i+1"); ``written``: the values as written of the
     columns the table holds as text (InputTable.written); ``errors``: rows already refused (an error row each).
-    A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input."""
-    where = where if where is not None else [f"row {i + 1}" for i in range(table.num_rows)]
+    A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input.
+    Prompts and ids are checked a chunk of rows at a time: the input's rows are never all Python objects."""
+    where = where if where is not None else (lambda i: f"row {i + 1}")
     if table.num_rows == 0:
         raise InputError(f"{path}: no rows")
     names = table.column_names
@@ -115,19 +199,26 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
             )
     table, written = _storable(table, dict(written or {}))
     inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written)
-    for row, value in enumerate(inp.values(prompt_column)):
-        prompt = ""
-        if row not in inp.errors:
-            try:
-                prompt = parse_prompt(value, prompt_column)
-            except BadPrompt as exc:
-                inp.errors[row] = str(exc)
-        inp.prompts.append(prompt)
+    inp.prompts = Prompts(inp, prompt_column)
+    ids = []
+    for start in range(0, table.num_rows, CHUNK_ROWS):
+        stop = min(table.num_rows, start + CHUNK_ROWS)
+        for row, value in enumerate(inp.cells(prompt_column, start, stop), start=start):
+            if row not in inp.errors:
+                try:
+                    parse_prompt(value, prompt_column)
+                except BadPrompt as exc:
+                    inp.errors[row] = str(exc)
+        if id_column in names:
+            ids.append(pa.array([_parse_id(v, path, where, row, id_column)
+                                 for row, v in enumerate(inp.cells(id_column, start, stop), start=start)],
+                                type=pa.string()))
     if id_column in names:
-        inp.ids = [_parse_id(v, path, where[i], id_column) for i, v in enumerate(inp.values(id_column))]
-        check_unique(inp.ids, path, id_column)
+        inp.ids = Ids(pa.chunked_array(ids, type=pa.string()))
+        if pc.count_distinct(inp.ids.array).as_py() != len(inp.ids):
+            check_unique(list(inp.ids), path, id_column)
     else:
-        inp.ids = [str(i) for i in range(table.num_rows)]
+        inp.ids = Ids(pc.cast(pa.array(np.arange(table.num_rows)), pa.string()))
     return inp
 
 
@@ -160,21 +251,37 @@ class JsonLines:
 
 
 def read_jsonl(path: Path, limit: int | None, soft: str | None = None) -> JsonLines:
-    """Parse JSON lines (InputError naming the line on anything malformed).
+    """Parse JSON lines (InputError naming the line on anything malformed), the whole file at once.
 
     A lone UTF-16 surrogate escape (``"\\ud800"``) cannot be stored as UTF-8: in the field
     ``soft`` (the prompt) it makes the row an error row, the field kept with the escape as
     text; anywhere else it refuses the file, naming the line and column."""
+    out = JsonLines([], [])
+    for chunk in iter_jsonl(path, limit, soft, rows=None):
+        out.rows += chunk.rows
+        out.where += chunk.where
+        out.bad.update({len(out.rows) - len(chunk.rows) + i: why for i, why in chunk.bad.items()})
+    return out
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes without the newline) of a file, read a buffer at a time."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            for lineno, raw in enumerate(f, start=1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
+                    raw = raw[3:]
+                yield lineno, raw.removesuffix(b"\n")
     except OSError as e:
         raise InputError(f"{path}: cannot read the file ({e.strerror or e})") from None
-    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte order mark
-        data = data[3:]
-    out = JsonLines([], [])
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        if limit is not None and len(out.rows) >= limit:
+
+
+def iter_jsonl(path: Path, limit: int | None, soft: str | None = None,
+               rows: int | None = CHUNK_ROWS) -> Iterator[JsonLines]:
+    """``read_jsonl`` ``rows`` objects at a time (None: all); ``bad`` is keyed by the row within its chunk."""
+    out, total = JsonLines([], []), 0
+    for lineno, raw in _lines(path):
+        if limit is not None and total >= limit:
             break
         try:
             line = raw.decode("utf-8")
@@ -208,7 +315,44 @@ def read_jsonl(path: Path, limit: int | None, soft: str | None = None) -> JsonLi
                 value[soft] = _escape_surrogates(value[soft])
         out.rows.append(value)
         out.where.append(f"line {lineno}")
-    return out
+        total += 1
+        if rows is not None and len(out.rows) >= rows:
+            yield out
+            out = JsonLines([], [])
+    if out.rows or rows is None:
+        yield out
+
+
+def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None) -> tuple[pa.Table | None, np.ndarray, dict]:
+    """A JSONL file as one table built ``CHUNK_ROWS`` lines at a time: (table, [rows] line numbers, bad rows).
+
+    The table equals ``jsonl_table`` of the whole file wherever every column has one kind of value throughout
+    (a chunk where a column is all null or missing takes the other chunks' type); the table is None where it
+    would not (a column whose type differs between chunks, or one held as JSON text): read the file whole."""
+    tables, lines, bad, rows = [], [], {}, 0
+    for chunk in iter_jsonl(path, limit, soft):
+        table, written = jsonl_table(chunk.rows)
+        if written:
+            return None, np.zeros(0, np.int64), {}
+        tables.append(table)
+        lines.append(np.array([int(w.removeprefix("line ")) for w in chunk.where], np.int64))
+        bad.update({rows + i: why for i, why in chunk.bad.items()})
+        rows += len(chunk.rows)
+    names: dict[str, None] = {}
+    types: dict[str, set] = {}
+    for table in tables:
+        names.update(dict.fromkeys(table.column_names))
+        for field_ in table.schema:
+            if not pa.types.is_null(field_.type):
+                types.setdefault(field_.name, set()).add(field_.type)
+    if any(len(kinds) > 1 for kinds in types.values()):
+        return None, np.zeros(0, np.int64), {}
+    schema = pa.schema([(name, next(iter(types.get(name, {pa.null()})))) for name in names])
+    whole = pa.concat_tables([pa.table({name: table.column(name).cast(schema.field(name).type)
+                                        if name in table.column_names else pa.nulls(table.num_rows, schema.field(name).type)
+                                        for name in names}, schema=schema) for table in tables]) \
+        if tables and names else pa.table({})
+    return whole, np.concatenate(lines) if lines else np.zeros(0, np.int64), bad
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -375,9 +519,9 @@ def _joined_parts(parts: list, at: str) -> str:
     return "\n".join(part["text"] for part in parts)
 
 
-def _parse_id(value: Any, path: Path, where: str, column: str) -> str:
+def _parse_id(value: Any, path: Path, where: Callable[[int], str], row: int, column: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        raise InputError(f"{path}: {where}: id column '{column}' is null")
+        raise InputError(f"{path}: {where(row)}: id column '{column}' is null")
     return str(value)
 
 

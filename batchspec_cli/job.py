@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
@@ -47,8 +48,8 @@ from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
-from .inputs import row_value
-from .plan import JobPlan, plan_job
+from .inputs import id_array, row_value
+from .plan import JobPlan, plan_job, release_free_memory
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
@@ -365,13 +366,20 @@ class Generation:
 
     # ------------------------------------------------------------------ output
     def texts(self, results: list[RowResult]) -> list[str]:
-        """The rows' completions as text, decoded in one batch (a stop string and what follows it excluded:
-        ``StopStrings.text``)."""
+        """The rows' completions as text, decoded in one batch (see ``texts_of``)."""
+        return self.texts_of([r.row for r in results], [r.token_ids for r in results],
+                             [r.finish_reason for r in results])
+
+    def texts_of(self, rows: list[int], token_ids: list[list[int]], reasons: list[str]) -> list[str]:
+        """Completions as text, decoded in one batch (a stop string and what follows it excluded:
+        ``StopStrings.text``); ``rows``, ``token_ids`` and ``reasons`` aligned."""
         tokenizer, overrides = self.plan.tokenizer, self.plan.overrides.get("stop")
+        plain = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        if "stop_string" not in reasons:
+            return plain
         stops = StopStrings(tokenizer, self.cfg.stop)
-        plain = tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-        return [stops.text(r.token_ids, row_value(overrides, r.row, ())) if r.finish_reason == "stop_string"
-                else text for r, text in zip(results, plain)]
+        return [stops.text(ids, row_value(overrides, row, ())) if reason == "stop_string" else text
+                for row, ids, reason, text in zip(rows, token_ids, reasons, plain)]
 
     def finish(self) -> dict:
         """Write both files atomically, streamed from the checkpoint parts one range of rows at a time (see
@@ -386,6 +394,7 @@ class Generation:
         meta = metadata(cfg, plan)
         self.work.mark_finishing()
         merge.regroup(self.work.part_paths("rows"), self.work.fresh_merge(), plan.total_rows)
+        release_free_memory()  # what regrouping freed, before the ranges are written
         summary = {"rows": 0, "errors": 0, "completion_tokens": 0, "first_errors": []}
         pieces = self._output_pieces(summary)
         if plan.output_format == "openai":
@@ -405,21 +414,32 @@ class Generation:
         cfg, plan = self.cfg, self.plan
         token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
         created = int(time.time())
-        for first, table in merge.ranges(self.work.merge, plan.total_rows):
-            results = outputs.results_from_table(table)
-            texts = self.texts(results)
-            errors = [r for r in results if r.finish_reason == "error"]
-            summary["rows"] += len(results)
-            summary["errors"] += len(errors)
-            summary["completion_tokens"] += sum(len(r.token_ids) for r in results)
-            summary["first_errors"] += [(r.row, r.id, r.error) for r in errors[: 3 - len(summary["first_errors"])]]
+        passthrough = pq.ParquetFile(plan.passthrough) if plan.passthrough is not None else None
+        for index, (first, table) in enumerate(merge.ranges(self.work.merge, plan.total_rows)):
+            rows, token_ids = table.column("row").to_pylist(), table.column("token_ids").to_pylist()
+            reasons = table.column("finish_reason").to_pylist()
+            texts = self.texts_of(rows, token_ids, reasons)
+            errors = pc.equal(table.column("finish_reason"), "error")
+            summary["rows"] += table.num_rows
+            summary["errors"] += pc.sum(errors).as_py() or 0
+            summary["completion_tokens"] += pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0
+            first_errors = table.filter(errors).slice(0, 3 - len(summary["first_errors"]))
+            summary["first_errors"] += list(zip(*(first_errors.column(c).to_pylist() for c in ("row", "id", "error"))))
+            if plan.output_format == "openai" or plan.wants_logprobs:
+                results = outputs.results_from_table(table)  # per row objects, one range at a time
             if plan.output_format == "openai":
                 yield openai_batch.output_text(plan.inp, results, texts, plan.tokenizer, model=plan.target_name,
                                                chat=cfg.chat, salt=plan.input_hash, created=created)
+                continue
+            inputs = passthrough.read_row_group(index) if passthrough is not None \
+                else plan.inp.table.slice(first, table.num_rows)
+            if inputs.num_rows != table.num_rows:
+                raise RuntimeError(f"the kept input has {inputs.num_rows} rows in range {index}, not {table.num_rows}")
+            ids = id_array(plan.inp.ids).slice(first, table.num_rows)
+            if plan.wants_logprobs:
+                yield outputs.completions_table(inputs, ids.to_pylist(), results, texts, token_text)
             else:
-                rows = slice(first, first + len(results))
-                yield outputs.completions_table(plan.inp.table.slice(first, len(results)), plan.inp.ids[rows], results,
-                                            texts, token_text)
+                yield outputs.completions_from_parts(inputs, ids, table, texts)
 
 
 def _release(work: WorkDir, threads_before: int | None) -> None:

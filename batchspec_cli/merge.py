@@ -2,9 +2,10 @@
 
 ``regroup`` reads the rows parts one at a time and sorts their rows by input *range*
 (``range_rows`` consecutive rows each) into small files of the work directory's ``merge/``,
-holding at most ``BUFFER_BYTES`` of rows between writes; ``ranges`` then reads one range at
-a time, sorted by row, and checks it holds every row of the range exactly once. The finish
-writes each range as it comes (a row group of OUT), so its memory is one part, the buffer
+holding at most ``BUFFER_BYTES`` of rows between writes (each range's pieces compacted every
+``COMPACT_TABLES``); ``ranges`` then reads one range at a time, sorted by row, and checks it
+holds every row of the range exactly once. The finish writes each range as it comes (a row
+group of OUT, beside the same range of the kept input), so its memory is one part, the buffer
 and one range: never the job. ``merge/`` is scratch: a finish killed midway makes it again.
 """
 
@@ -26,6 +27,7 @@ from . import outputs
 MIN_RANGE_ROWS = 4096  # rows per range (one row group of OUT), unless the job has more than MAX_RANGES of them
 MAX_RANGES = 256
 BUFFER_BYTES = 16 << 20  # rows held between writes to merge/
+COMPACT_TABLES = 64  # small tables held together are copied into one: each costs far more than its rows' bytes
 STATS_GROUP_ROWS = 65536  # steps per row group of the statistics file
 
 
@@ -55,9 +57,11 @@ def regroup(parts: list[Path], directory: Path, total_rows: int) -> None:
         keys, table = keys[order], table.take(pa.array(order))
         starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
         for start, end in zip(starts, np.r_[starts[1:], len(keys)]):
-            piece = table.slice(start, end - start)
-            held[int(keys[start])].append(piece)
-            held_bytes[int(keys[start])] += piece.nbytes
+            key, piece = int(keys[start]), table.slice(start, end - start)
+            held[key].append(piece)
+            held_bytes[key] += piece.nbytes
+            if len(held[key]) >= COMPACT_TABLES:
+                held[key] = [compact(held[key])]
         while held_bytes and sum(held_bytes.values()) > BUFFER_BYTES:
             flush(max(held_bytes, key=held_bytes.__getitem__))
     for key in list(held):
@@ -91,7 +95,15 @@ def batched(tables: Iterable[pa.Table], rows: int = STATS_GROUP_ROWS) -> Iterato
         held.append(table)
         count += table.num_rows
         if count >= rows:
-            yield pa.concat_tables(held)
+            yield compact(held)
             held, count = [], 0
+        elif len(held) >= COMPACT_TABLES:
+            held = [compact(held)]
     if held:
-        yield pa.concat_tables(held)
+        yield compact(held)
+
+
+def compact(tables: list[pa.Table]) -> pa.Table:
+    """The tables as one table in one chunk a column, owning its buffers (a slice keeps its whole parent, and
+    every small table its own objects and buffers: thousands of one-part tables weigh far more than their rows)."""
+    return pa.concat_tables(tables).combine_chunks()

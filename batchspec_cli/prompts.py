@@ -133,32 +133,38 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
     controls = [] if special_tokens else _control_strings(tokenizer)  # strings that would become control tokens
     chunks, errors = [], {}
     for start in range(0, len(inp.prompts), CHUNK_ROWS):
-        ids: list[list[int]] = [[] for _ in range(min(CHUNK_ROWS, len(inp.prompts) - start))]
+        prompts = _chunk(inp.prompts, start, min(len(inp.prompts), start + CHUNK_ROWS))
+        ids: list[list[int]] = [[] for _ in prompts]
         kinds: dict[bool, list[int]] = {False: [], True: []}  # raw (an OpenAI /v1/completions row) -> rows
         for row in range(start, start + len(ids)):
             if row in inp.errors:
                 errors[row] = inp.errors[row]
                 continue
-            size = prompt_bytes(inp.prompts[row]) if most_bytes is not None else 0
+            size = prompt_bytes(prompts[row - start]) if most_bytes is not None else 0
             if most_bytes is not None and size > most_bytes:
                 errors[row] = f"prompt has {size} bytes, more than {what} can hold (at most {most_bytes} bytes)"
                 continue
             raw = openai_batch.is_text_completion(inp, row)
-            if any(c in text for text in _texts(inp.prompts[row], system) for c in controls):
+            if any(c in text for text in _texts(prompts[row - start], system) for c in controls):
                 try:  # the template around the text, the text as text: one prompt at a time
-                    ids[row - start] = render_prompt(tokenizer, inp.prompts[row], chat and not raw,
+                    ids[row - start] = render_prompt(tokenizer, prompts[row - start], chat and not raw,
                                                      None if raw else system, special_tokens)
                 except Exception as exc:  # noqa: BLE001 - a chat template may raise anything: that row fails
                     errors[row] = f"cannot render the prompt: {one_line(exc)}"
                 continue
             kinds[raw].append(row)
         for raw, rows in kinds.items():
-            rendered = _render_rows(tokenizer, [inp.prompts[row] for row in rows], chat and not raw,
+            rendered = _render_rows(tokenizer, [prompts[row - start] for row in rows], chat and not raw,
                                     None if raw else system, errors, rows)
             for row, row_ids in zip(rows, rendered):
                 ids[row - start] = row_ids
         chunks.append(pa.array(ids, type=pa.list_(pa.int32())))
     return RenderedPrompts(pa.chunked_array(chunks, type=pa.list_(pa.int32())), errors)
+
+
+def _chunk(prompts, start: int, stop: int) -> list[Prompt]:
+    """The prompts of rows [start, stop) (``inputs.Prompts`` parses them from the table only now)."""
+    return prompts.chunk(start, stop) if hasattr(prompts, "chunk") else list(prompts[start:stop])
 
 
 def _texts(prompt: Prompt, system: str | None) -> list[str]:

@@ -58,7 +58,6 @@ is written atomically: into a temporary directory beside the target, fsynced, re
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import math
@@ -409,12 +408,12 @@ def build_buckets(
     ranges = plan_buckets(lengths, width=width, min_rows=min_rows)
     used_width = width if width is not None else auto_max_width(lengths)
 
-    # 2. Sort rows by (length, input index); each bucket is then one contiguous slice.
+    # 2. Sort rows by (length, input index); each bucket is then one contiguous slice of the order, taken
+    #    and written one row group at a time (never a sorted copy of the whole table).
     order = np.argsort(length_array, kind="stable")
     full = table.append_column(ROW_COLUMN, pa.array(np.arange(len(lengths)), type=pa.int64()))
     full = full.append_column(PROMPT_IDS_COLUMN, ids_array)
-    full = full.take(pa.array(order, type=pa.int64()))
-    sorted_lengths = length_array[order].tolist()
+    sorted_lengths = length_array[order]
 
     # 3. Write shards and manifest into a temporary directory beside out_dir.
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -424,10 +423,12 @@ def build_buckets(
         buckets: list[Bucket] = []
         start = 0
         for index, (lo, hi) in enumerate(ranges):
-            stop = bisect.bisect_right(sorted_lengths, hi)
+            stop = int(np.searchsorted(sorted_lengths, hi, side="right"))
             shard = _shard_name(index)
-            rows = full.slice(start, stop - start)
-            pq.write_table(rows, tmp_dir / shard, row_group_size=ROW_GROUP_ROWS)
+            with pq.ParquetWriter(tmp_dir / shard, full.schema) as writer:  # one row group in memory at a time
+                for first in range(start, max(stop, start + 1), ROW_GROUP_ROWS):
+                    taken = order[first:min(stop, first + ROW_GROUP_ROWS)]
+                    writer.write_table(full.take(pa.array(taken, type=pa.int64())), row_group_size=ROW_GROUP_ROWS)
             _fsync_path(tmp_dir / shard)
             buckets.append(Bucket(index=index, lo=lo, hi=hi, rows=stop - start, shard=shard))
             start = stop

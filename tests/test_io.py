@@ -740,3 +740,21 @@ def test_results_and_stats_tables_round_trip():
                        tokens_emitted=8, pad_before=2, pad_after=1, kv_moved=2**40, kv_gathered=5, draft_ms=1.5,
                        verify_ms=2.25, realign_ms=0.0, gather_ms=0.125, total_ms=4.0, arm="spec", plain_ms=3.0)]
     assert stats_from_table(stats_table(stats)) == stats
+
+
+def test_jsonl_read_in_chunks_equals_the_whole_file_read(tmp_path, monkeypatch):
+    """Chunks whose columns differ (absent, all null, an integer in one and a float in another, a list in one and
+    a string in another) give the table the whole-file reader gives, its ids and its prompts."""
+    monkeypatch.setattr(inputs, "CHUNK_ROWS", 2)
+    lines = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
+             {"id": "c", "prompt": "z", "t": None}, {"id": "d", "prompt": "w", "extra": 1},
+             {"id": "e", "prompt": "v", "t": 0.5, "extra": 2}, {"id": "f", "prompt": "u", "t": 1, "extra": 3.5},
+             {"id": "g", "prompt": "s", "m": [1]}, {"id": "h", "prompt": "r", "m": "text"}]
+    for cut in range(1, len(lines) + 1):
+        path = tmp_path / f"in{cut}.jsonl"
+        path.write_text("\n".join(json.dumps(line) for line in lines[:cut]) + "\n\n")
+        got = read_input(path)
+        whole = inputs.jsonl_table(inputs.read_jsonl(path, None).rows)[0]
+        assert got.table.equals(inputs._storable(whole, {})[0]), cut
+        assert list(got.ids) == [line["id"] for line in lines[:cut]]
+        assert list(got.prompts) == [line["prompt"] for line in lines[:cut]]

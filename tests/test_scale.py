@@ -19,6 +19,7 @@ import tracemalloc
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -81,6 +82,38 @@ def test_memory_held_does_not_grow_with_the_rows(tmp_path, monkeypatch):
     per_row_finish = (finish_large - finish_small) / (large - small)
     assert per_row < 250, (held_small, held_large)
     assert per_row_finish < 250, (finish_small, finish_large)
+
+
+def held_after_open(model: Path, root: Path, rows: int) -> int:
+    """Python (tracemalloc) and Arrow memory the job holds once it is open: input read, prompts tokenized and
+    bucketed, model loaded, nothing generated yet."""
+    inp = write_prompts(root / f"open{rows}.jsonl", rows)
+    cfg = GenerateConfig(input=inp, output=root / f"open{rows}.parquet", target=str(model), mode="ar", batch_size=8,
+                         max_new_tokens=4, dtype="float32", quiet=True)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, arrow_before = tracemalloc.get_traced_memory()[0], pa.total_allocated_bytes()
+        with Generation.open(cfg) as job:
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before + pa.total_allocated_bytes() - arrow_before
+            assert job.total_rows == rows
+    finally:
+        tracemalloc.stop()
+    return held
+
+
+def test_input_side_memory_does_not_grow_with_the_rows(tmp_path):
+    """Once a job is open, nothing per row of its input is held as Python objects (the prompts, the ids) or as
+    the input's table in memory: its columns wait on disk for the finish, the ids are one Arrow string array.
+    Between N and 4N rows what the open job holds grows by a few bytes a row (the ids), not by the rows' prompts,
+    ids and cells (over a hundred bytes a row as Python strings and lists, and the table besides)."""
+    model = save_tiny_model_dir(tmp_path / "model", seed=0)
+    held_after_open(model, tmp_path, 100)  # what the first job of a process loads once (imports, caches)
+    held_small = held_after_open(model, tmp_path, 1000)
+    held_large = held_after_open(model, tmp_path, 4000)
+    per_row = (held_large - held_small) / 3000
+    assert per_row < 40, (held_small, held_large)
 
 
 # --------------------------------------------------------------------------- kills
