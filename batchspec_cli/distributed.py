@@ -27,14 +27,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import os
 import pickle
 import queue
 import socket
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -91,19 +89,22 @@ class WorkerSpec:
     preload: tuple = ()
 
 
-def make_blocks(requests: Iterable[Request], block_rows: int) -> list[list[Request]]:
-    """Cut each bucket's requests into near-equal slices of at most ``block_rows`` rows;
-    most expensive blocks first (rows x (prompt + new tokens)), so the pool's tail is short."""
-    by_bucket: dict[int, list[Request]] = defaultdict(list)
+def make_blocks(requests: Iterable[Request], block_rows: int) -> Iterator[list[Request]]:
+    """Blocks of one bucket's requests, each cut as soon as it has ``block_rows`` of them or its bucket ends (the
+    requests arrive bucket by bucket: ``Generation.requests``): at most one block's requests are held at once."""
+    block: list[Request] = []
     for req in requests:
-        by_bucket[req.bucket].append(req)
-    blocks = []
-    for reqs in by_bucket.values():
-        n = math.ceil(len(reqs) / block_rows)
-        size = math.ceil(len(reqs) / n)
-        blocks += [reqs[i : i + size] for i in range(0, len(reqs), size)]
-    cost = lambda b: sum(max(r.pad_to, len(r.prompt_ids)) + r.max_new_tokens for r in b)  # noqa: E731
-    return sorted(blocks, key=cost, reverse=True)
+        if block and (req.bucket != block[0].bucket or len(block) == block_rows):
+            yield block
+            block = []
+        block.append(req)
+    if block:
+        yield block
+
+
+def block_cost(block: list[Request]) -> int:
+    """A block's work: rows x (prompt + new tokens); the most expensive go first, so the pool's tail is short."""
+    return sum(max(r.pad_to, len(r.prompt_ids)) + r.max_new_tokens for r in block)
 
 
 class Worker:
@@ -120,10 +121,12 @@ class Worker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
     def __call__(self, batch: dict) -> dict:
-        # batch: {"block": [n], "requests": [n] pickled list[Request]}; n is 1 (batch_size=1)
+        # batch: {"block": [n], "requests": [n] a reference to a pickled list[Request]}; n is 1 (batch_size=1)
+        import ray
+
         out = {"block": [], "worker": [], "seconds": [], "events": []}
-        for block, blob in zip(batch["block"], batch["requests"]):
-            requests: list[Request] = pickle.loads(blob)
+        for block, ref in zip(batch["block"], batch["requests"]):
+            requests: list[Request] = pickle.loads(ray.get(ref))
             start = time.perf_counter()
             events = list(self.engine.run(requests))
             out["block"].append(int(block))
@@ -222,11 +225,14 @@ class RayExecutor:
         import ray
         import ray.data
 
-        blocks = make_blocks(requests, self.block_rows)
-        if not blocks:
-            return
         if not ray.is_initialized():
             self.connect()
+        # Each block goes to Ray's object store as it is cut: the driver keeps its cost, its bucket and a
+        # reference, never the job's requests (they are cut into blocks as they arrive).
+        placed = sorted(((block_cost(block), block[0].bucket, ray.put(pickle.dumps(block)))
+                         for block in make_blocks(requests, self.block_rows)), key=lambda p: p[0], reverse=True)
+        if not placed:
+            return
         _quiet_ray_data()
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the CLI draws the job's one bar
@@ -235,11 +241,9 @@ class RayExecutor:
         # The blocks start once every worker has loaded its models: a worker that cannot load fails the
         # job before any row runs, and the first worker up does not take every block of a short job.
         context.wait_for_min_actors_s = POOL_START_TIMEOUT_S
-        buckets = [block[0].bucket for block in blocks]  # what the driver keeps of a block once Ray holds it
-        items = [{"block": i, "requests": pickle.dumps(block)} for i, block in enumerate(blocks)]
-        del blocks
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        del items  # in Ray's object store now: the driver holds no request while the job runs
+        buckets = [bucket for _, bucket, _ in placed]
+        ds = ray.data.from_items([{"block": i, "requests": ref} for i, (_, _, ref) in enumerate(placed)],
+                                 override_num_blocks=len(placed))
         ds = ds.map_batches(
             Worker, fn_constructor_kwargs={"spec": self.worker_spec()}, batch_size=1,
             # one block at a time per worker: a block is a whole engine run, and one queued behind a busy

@@ -96,11 +96,22 @@ def test_bad_ray_flags_exit_2(tmp_path, flag):
     assert result.exit_code == 2 and f"{flag} must be a positive integer" in result.output
 
 
-def test_blocks_hold_one_bucket_each_and_cover_every_row_once():
-    reqs = [Request(row=i, id=str(i), prompt_ids=[1] * (1 + i % 4), max_new_tokens=8, bucket=i % 4, pad_to=4)
-            for i in range(23)]
-    blocks = make_blocks(reqs, block_rows=3)
+def test_blocks_hold_one_bucket_each_cover_every_row_once_and_are_cut_as_the_requests_arrive():
+    reqs = sorted((Request(row=i, id=str(i), prompt_ids=[1] * (1 + i % 4), max_new_tokens=8, bucket=i % 4, pad_to=4)
+                   for i in range(23)), key=lambda r: r.bucket)  # bucket by bucket, as Generation.requests yields
+    read = []
+
+    def arriving():
+        for r in reqs:
+            read.append(r.row)
+            yield r
+
+    blocks = make_blocks(arriving(), block_rows=3)
+    first = next(blocks)
+    assert len(read) == 4, "a block comes out as soon as it is full: the requests are never all held"
+    blocks = [first, *blocks]
     assert all(len({r.bucket for r in b}) == 1 and 1 <= len(b) <= 3 for b in blocks)
+    assert [len(b) for b in blocks] == [3, 3, 3, 3, 3, 3, 3, 2]
     assert sorted(r.row for b in blocks for r in b) == list(range(23))
 
 
