@@ -30,7 +30,7 @@ PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 # the only tokens its mask allows, so they are refused only where the model writes another tokenization of the
 # forced text (measured on SmolLM2: 144 of 144 accepted, docs/performance.md)
 DRAFTER_PRIORS = {"grammar": 0.95}
-FORCED = ("grammar",)  # drafters whose drafts are the target's own choice: PLAIN takes them too (``Auto.choose``)
+FORCED = ("grammar",)  # drafters whose drafts are the target's own choice: PLAIN takes them too (``Auto._plain``)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
 DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
