@@ -348,10 +348,15 @@ def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None) -> tupl
     if any(len(kinds) > 1 for kinds in types.values()):
         return None, np.zeros(0, np.int64), {}
     schema = pa.schema([(name, next(iter(types.get(name, {pa.null()})))) for name in names])
-    whole = pa.concat_tables([pa.table({name: table.column(name).cast(schema.field(name).type)
-                                        if name in table.column_names else pa.nulls(table.num_rows, schema.field(name).type)
-                                        for name in names}, schema=schema) for table in tables]) \
-        if tables and names else pa.table({})
+    def column(table: pa.Table, name: str):
+        kind = schema.field(name).type
+        if name not in table.column_names:
+            return pa.nulls(table.num_rows, kind)
+        have = table.column(name)
+        return have if have.type == kind else have.cast(kind)  # pyarrow's identity cast breaks list<null>
+
+    whole = pa.concat_tables([pa.table({name: column(table, name) for name in names}, schema=schema)
+                              for table in tables]) if tables and names else pa.table({})
     return whole, np.concatenate(lines) if lines else np.zeros(0, np.int64), bad
 
 

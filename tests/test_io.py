@@ -758,3 +758,11 @@ def test_jsonl_read_in_chunks_equals_the_whole_file_read(tmp_path, monkeypatch):
         assert got.table.equals(inputs._storable(whole, {})[0]), cut
         assert list(got.ids) == [line["id"] for line in lines[:cut]]
         assert list(got.prompts) == [line["prompt"] for line in lines[:cut]]
+
+
+def test_a_list_of_nulls_reads_as_written(tmp_path):
+    """pyarrow's identity cast of a list<null> column builds an invalid array (found by the fuzz test)."""
+    p = tmp_path / "in.jsonl"
+    p.write_text('{"prompt": "0", "meta": [null, null]}\n')
+    inp = read_input(p)
+    assert list(inp.values("meta")) == [[None, None]]
