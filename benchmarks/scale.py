@@ -66,6 +66,17 @@ def write_prompts(path: Path, rows: int, seed: int = 0) -> None:
             f.write(json.dumps({"id": f"r{i}", "prompt": words}) + "\n")
 
 
+def whole_process(command: list[str], env: dict) -> tuple[int, float, os.struct_rusage, str]:
+    """Run ``command`` as one process: (exit code, wall seconds, its rusage from wait4, its stderr)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start
+    stderr = process.stderr.read().decode(errors="replace")
+    process.stderr.close()
+    return os.waitstatus_to_exitcode(status), wall, usage, stderr
+
+
 def run(inp: Path, out: Path, model: Path, flags: list[str], pythonpath: str) -> dict:
     """One whole CLI process; its phases from --log-json and its peak RSS from wait4."""
     log = out.with_suffix(".log.jsonl")
@@ -73,13 +84,7 @@ def run(inp: Path, out: Path, model: Path, flags: list[str], pythonpath: str) ->
                "--quiet", "--overwrite", "--log-json", str(log), *flags]
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
     began = datetime.datetime.now(datetime.timezone.utc)
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    stderr = process.stderr.read().decode(errors="replace")
-    process.stderr.close()
-    code = os.waitstatus_to_exitcode(status)
+    code, wall, usage, stderr = whole_process(command, env)
     if code != 0:
         raise SystemExit(f"generate failed (exit {code}): {stderr[-3000:]}")
     events = {e["event"]: e for e in map(json.loads, log.read_text().splitlines())}

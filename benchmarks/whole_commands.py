@@ -20,16 +20,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, spec_bench_prompts  # noqa: E402
+from scale import whole_process  # noqa: E402
 
 
 def run(inp: Path, out: Path, mode: str, batch: int, max_new: int, threads: int) -> dict:
@@ -38,13 +37,8 @@ def run(inp: Path, out: Path, mode: str, batch: int, max_new: int, threads: int)
                "--batch-size", str(batch), "--max-new-tokens", str(max_new), "--threads", str(threads),
                "--quiet", "--overwrite", "--restart"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    stderr = process.stderr.read().decode(errors="replace")
-    process.stderr.close()
-    if os.waitstatus_to_exitcode(status) != 0:
+    code, wall, usage, stderr = whole_process(command, env)
+    if code != 0:
         raise SystemExit(f"{' '.join(command)} failed: {stderr[-2000:]}")
     import pyarrow.parquet as pq
 
