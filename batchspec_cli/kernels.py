@@ -9,8 +9,16 @@ once into its blocked layout ("prepacked") keeps the cost of M = 1..8 rows nearl
 at M = 1 it is no faster than MKL's matrix-vector path (a fixed per-call overhead).
 
 ``prepack(model, min_rows)`` therefore swaps every float32 CPU ``nn.Linear`` for a
-``PackedLinear`` that runs oneDNN for inputs of at least ``min_rows`` rows (tokens x batch)
-and the stock dense path below that. Nothing global is patched; ``unpack`` undoes it.
+``PackedLinear`` that runs oneDNN for inputs of ``min_rows`` to ``MAX_ROWS`` rows (tokens x
+batch) and the stock dense path outside that. Nothing global is patched; ``unpack`` undoes it.
+
+Memory per input size: oneDNN builds (JIT-compiles) a kernel for every distinct input size it
+sees and keeps it in two caches (ideep's and oneDNN's own, 1,024 entries each), at about
+0.25 MB per kernel, even for a 16-wide layer. An unbounded range of sizes (a prefill of
+rows x prompt length) would fill both caches as a job runs: a million-row job grew by
+hundreds of MB. ``MAX_ROWS`` bounds the sizes to ``MAX_ROWS - min_rows + 1`` per layer
+shape; above it oneDNN is no faster than MKL (0.96-1.06x at 128-1024 rows, 0.66-0.87x at
+8-64; SmolLM2's layer shapes, one thread).
 
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
@@ -36,6 +44,8 @@ from torch.nn import functional as F
 # is much faster: 2-3 rows cost 0.54-0.74x the stock time at batch 1, 4-8 rows x 1 token 0.65-0.66x
 # (SmolLM2-135M, 2-core CPU, benchmarks/verify_cost.py; docs/performance.md).
 DEFAULT_MIN_ROWS = 2
+# Larger inputs run MKL: as fast there, and oneDNN's per-size kernels stay bounded (see the module docstring).
+MAX_ROWS = 64
 
 
 def available() -> bool:
@@ -46,8 +56,8 @@ def available() -> bool:
 class PackedLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same state-dict keys) with a oneDNN-prepacked copy of its weight.
 
-    Inputs with at least ``min_rows`` rows (all leading dimensions together) run oneDNN on the
-    packed weight; smaller ones run ``F.linear`` on the dense weight.
+    Inputs of ``min_rows`` to ``MAX_ROWS`` rows (all leading dimensions together) run oneDNN on the
+    packed weight; others run ``F.linear`` on the dense weight.
     """
 
     def __init__(self, linear: nn.Linear, min_rows: int = DEFAULT_MIN_ROWS):
@@ -60,7 +70,7 @@ class PackedLinear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.min_rows * self.in_features:
+        if not self.min_rows * self.in_features <= x.numel() <= MAX_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
