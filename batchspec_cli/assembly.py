@@ -120,6 +120,7 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
         return "stock", [f"the packed CPU kernels would take {extra / 2**20:.0f} MiB more memory, and "
                          f"{free / 2**20:.0f} MiB is available: running the stock kernels (--kernels packed "
                          f"forces them)"]
+    kernels.bound_caches()  # before the first oneDNN operation (the packing), or it cannot apply
     for model in present:
         kernels.prepack(model)
     return "packed", []

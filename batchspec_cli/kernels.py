@@ -18,7 +18,12 @@ sees and keeps it in two caches (ideep's and oneDNN's own, 1,024 entries each), 
 rows x prompt length) would fill both caches as a job runs: a million-row job grew by
 hundreds of MB. ``MAX_ROWS`` bounds the sizes to ``MAX_ROWS - min_rows + 1`` per layer
 shape; above it oneDNN is no faster than MKL (0.96-1.06x at 128-1024 rows, 0.66-0.87x at
-8-64; SmolLM2's layer shapes, one thread).
+8-64; SmolLM2's layer shapes, one thread). That still allows 63 kernels per layer shape
+(about 0.6 MB each at SmolLM2's shapes): ``bound_caches`` caps both caches at
+``CACHE_ENTRIES`` for the process (more than a round's working set, a few sizes per layer
+shape), so what they hold no longer depends on the job. oneDNN reads the caps when the
+process first uses it: ``bound_caches`` must run before ``prepack``, and keeps a value the
+user set.
 
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
@@ -46,6 +51,8 @@ from torch.nn import functional as F
 DEFAULT_MIN_ROWS = 2
 # Larger inputs run MKL: as fast there, and oneDNN's per-size kernels stay bounded (see the module docstring).
 MAX_ROWS = 64
+CACHE_ENTRIES = 128  # per cache (ideep's and oneDNN's): at most ~75 MB of kernels for the process
+CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 
 
 def available() -> bool:
@@ -88,6 +95,13 @@ class PackedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, min_rows={self.min_rows}"
+
+
+def bound_caches() -> None:
+    """Cap oneDNN's two kernel caches for this process at ``CACHE_ENTRIES`` (see the module docstring), unless the
+    environment already sets them. Takes effect only before the process's first oneDNN operation."""
+    for name in CACHE_VARIABLES:
+        os.environ.setdefault(name, str(CACHE_ENTRIES))
 
 
 def _packable(module: nn.Module) -> bool:

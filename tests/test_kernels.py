@@ -158,3 +158,49 @@ def test_memory_does_not_grow_with_the_number_of_input_sizes():
         x = torch.randn(rows, 16)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
     assert _malloc_in_use() - before < 16 * 2**20
+
+
+_MANY_SHAPES = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_kernels import _malloc_in_use
+from batchspec_cli import kernels
+from batchspec_cli.assembly import use_kernels
+
+class Loaded:  # what use_kernels reads of a loaded model
+    def __init__(self, model):
+        self.model = model
+
+layers = torch.nn.Sequential(*[torch.nn.Linear(16, 8 * (i + 1)) for i in range(10)]).requires_grad_(False)
+if {bounded}:
+    assert use_kernels("packed", Loaded(layers)) == ("packed", [])
+else:
+    kernels.prepack(layers)
+before = _malloc_in_use()
+with torch.no_grad():
+    for rows in range(kernels.DEFAULT_MIN_ROWS, kernels.MAX_ROWS + 1):
+        for layer in layers:
+            layer(torch.randn(rows, 16))
+print((_malloc_in_use() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(_malloc_in_use() is None, reason="needs glibc's mallinfo2")
+def test_the_jobs_kernels_hold_a_bounded_memory_however_many_sizes_run():
+    """A job's process (use_kernels) caps oneDNN's kernel caches: 630 layer shape x size pairs, each a ~0.5 MB kernel
+    here, hold well under what the same run holds with the caches at oneDNN's own 1,024 entries."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in kernels.CACHE_VARIABLES}
+
+    def grown(bounded: bool) -> float:
+        code = _MANY_SHAPES.format(tests=str(Path(__file__).parent), bounded=bounded)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        return float(run.stdout.split()[-1])
+
+    unbounded, bounded = grown(False), grown(True)
+    assert unbounded > 150, unbounded  # the cost the bound removes is real on this build (~320 MB)
+    assert bounded < 80, bounded  # ~55 MB
