@@ -137,13 +137,18 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
 
 class _Unsaved:
     """Finished rows and steps not yet in a checkpoint part; a part is due after ``checkpoint_rows``
-    rows or ``checkpoint_seconds`` since the previous one."""
+    rows or ``checkpoint_seconds`` since the previous one. Every ``RELEASE_SECONDS`` a save also hands
+    the memory the decode freed back to the system: the C heap keeps freed chunks between live ones, and
+    over a long job its resident size crept with the rows (40k rows of the scale benchmark: +32 MB over
+    the decode, +9 MB with this; ~3-20 ms a time)."""
+
+    RELEASE_SECONDS = 10.0
 
     def __init__(self, work: WorkDir, rows: int, seconds: float):
         self.work, self.most_rows, self.seconds = work, rows, seconds
         self.rows: list[RowResult] = []
         self.stats: list[StepStats] = []
-        self.last_save = time.monotonic()
+        self.last_save = self.last_release = time.monotonic()
 
     def save_if_due(self) -> None:
         if len(self.rows) >= self.most_rows or time.monotonic() - self.last_save >= self.seconds:
@@ -155,6 +160,9 @@ class _Unsaved:
             self.work.save_part(self.rows, self.stats)
             self.rows, self.stats = [], []
         self.last_save = time.monotonic()
+        if self.last_save - self.last_release >= self.RELEASE_SECONDS:
+            release_free_memory()
+            self.last_release = time.monotonic()
 
 
 class Generation:
