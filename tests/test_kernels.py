@@ -188,7 +188,7 @@ print((_malloc_in_use() - before) / 2**20)
 @pytest.mark.skipif(_malloc_in_use() is None, reason="needs glibc's mallinfo2")
 def test_the_jobs_kernels_hold_a_bounded_memory_however_many_sizes_run():
     """A job's process (use_kernels) caps oneDNN's kernel caches: 630 layer shape x size pairs, each a ~0.5 MB kernel
-    here, hold well under what the same run holds with the caches at oneDNN's own 1,024 entries."""
+    here, hold a fraction of what the same run holds with the caches at oneDNN's own 1,024 entries."""
     import os
     import subprocess
     import sys
@@ -202,5 +202,7 @@ def test_the_jobs_kernels_hold_a_bounded_memory_however_many_sizes_run():
         return float(run.stdout.split()[-1])
 
     unbounded, bounded = grown(False), grown(True)
-    assert unbounded > 150, unbounded  # the cost the bound removes is real on this build (~320 MB)
-    assert bounded < 80, bounded  # ~55 MB
+    if unbounded < 20:
+        pytest.skip(f"this oneDNN build keeps little per size ({unbounded:.0f} MB for 630 sizes)")
+    # 630 kernels against at most 2 x 128 (here ~320 MB against ~55 MB): whatever a kernel costs on this CPU
+    assert bounded < unbounded / 3, (bounded, unbounded)
