@@ -117,7 +117,9 @@ class GenerateConfig:
     overwrite: bool = False
     restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
-    checkpoint_rows: int = 32  # save a part after this many finished rows ...
+    # save a part after this many finished rows ... (a fast job's parts are then ~1k rows, not 32: at 100k rows of the
+    # scale benchmark the finish read 6,250 small parts in 6.5 s, 98 parts in 1.4 s, and the decode saved 13 %)
+    checkpoint_rows: int = 1024
     checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
 
     def __post_init__(self) -> None:
