@@ -137,28 +137,36 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
 
 class _Unsaved:
     """Finished rows and steps not yet in a checkpoint part; a part is due after ``checkpoint_rows``
-    rows or ``checkpoint_seconds`` since the previous one. Every ``RELEASE_SECONDS`` a save also hands
+    rows, ``MOST_TOKENS`` of their completion tokens (long rows, each perhaps with its logprobs, are
+    held no more than 32 rows of 512 tokens were) or ``checkpoint_seconds`` since the previous one. Every ``RELEASE_SECONDS`` a save also hands
     the memory the decode freed back to the system: the C heap keeps freed chunks between live ones, and
     over a long job its resident size crept with the rows (40k rows of the scale benchmark: +32 MB over
     the decode, +9 MB with this; ~3-20 ms a time)."""
 
     RELEASE_SECONDS = 10.0
+    MOST_TOKENS = 16384
 
     def __init__(self, work: WorkDir, rows: int, seconds: float):
         self.work, self.most_rows, self.seconds = work, rows, seconds
         self.rows: list[RowResult] = []
         self.stats: list[StepStats] = []
+        self.tokens = 0  # the completion tokens of ``rows``
         self.last_save = self.last_release = time.monotonic()
 
+    def add(self, row: RowResult) -> None:
+        self.rows.append(row)
+        self.tokens += len(row.token_ids)
+
     def save_if_due(self) -> None:
-        if len(self.rows) >= self.most_rows or time.monotonic() - self.last_save >= self.seconds:
+        if len(self.rows) >= self.most_rows or self.tokens >= self.MOST_TOKENS \
+                or time.monotonic() - self.last_save >= self.seconds:
             self.save()
 
     def save(self) -> None:
         """Write the rows and statistics not yet saved as one checkpoint part."""
         if self.rows or self.stats:
             self.work.save_part(self.rows, self.stats)
-            self.rows, self.stats = [], []
+            self.rows, self.stats, self.tokens = [], [], 0
         self.last_save = time.monotonic()
         if self.last_save - self.last_release >= self.RELEASE_SECONDS:
             release_free_memory()
@@ -359,7 +367,7 @@ class Generation:
                 raise RuntimeError(f"row {event.row} finished twice")
             self.done[event.row] = True
             self.done_rows += 1
-            self._unsaved.rows.append(event)
+            self._unsaved.add(event)
             self._progress.finished(event.row, error=event.finish_reason == "error")
         else:
             self._unsaved.stats.append(event)

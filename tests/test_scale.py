@@ -209,3 +209,25 @@ def test_three_kills_one_in_the_finish_then_rerun_every_row_once(tmp_path, model
     steps = pq.read_table(out.with_name("out.stats.parquet")).column("step").to_pylist()
     assert len(steps) == len(set(steps)) and steps
     assert not work_dir_for(out).exists()
+
+
+def test_a_checkpoint_part_is_due_by_rows_or_by_tokens_whichever_first():
+    """Parts hold up to checkpoint_rows rows, but long rows (each perhaps with its logprobs) leave memory once their
+    completion tokens reach _Unsaved.MOST_TOKENS: a part every 28 rows of 600 tokens, every 1,024 rows of 8."""
+    from batchspec_cli.events import RowResult
+    from batchspec_cli.job import _Unsaved
+
+    class Parts:  # the work directory's save_part, counted
+        def __init__(self):
+            self.sizes = []
+
+        def save_part(self, rows, stats):
+            self.sizes.append(len(rows))
+
+    for tokens, expected in ((600, -(-_Unsaved.MOST_TOKENS // 600)), (8, 1024)):
+        parts = Parts()
+        unsaved = _Unsaved(parts, rows=1024, seconds=1e9)
+        for row in range(3000):
+            unsaved.add(RowResult(row, f"r{row}", [7] * tokens, "length"))
+            unsaved.save_if_due()
+        assert parts.sizes[:2] == [expected, expected], (tokens, parts.sizes[:3])
