@@ -12,18 +12,17 @@ at M = 1 it is no faster than MKL's matrix-vector path (a fixed per-call overhea
 ``PackedLinear`` that runs oneDNN for inputs of ``min_rows`` to ``MAX_ROWS`` rows (tokens x
 batch) and the stock dense path outside that. Nothing global is patched; ``unpack`` undoes it.
 
-Memory per input size: oneDNN builds (JIT-compiles) a kernel for every distinct input size it
-sees and keeps it in two caches (ideep's and oneDNN's own, 1,024 entries each), at about
-0.25 MB per kernel, even for a 16-wide layer. An unbounded range of sizes (a prefill of
-rows x prompt length) would fill both caches as a job runs: a 20k-row job's C heap grew
-by 65 MB, and went on growing with the rows. ``MAX_ROWS`` bounds the sizes to ``MAX_ROWS - min_rows + 1`` per layer
-shape; above it oneDNN is no faster than MKL (0.96-1.06x at 128-1024 rows, 0.66-0.87x at
-8-64; SmolLM2's layer shapes, one thread). That still allows 63 kernels per layer shape
-(about 0.6 MB each at SmolLM2's shapes): ``bound_caches`` caps both caches at
-``CACHE_ENTRIES`` for the process (more than a round's working set, a few sizes per layer
-shape), so what they hold no longer depends on the job. oneDNN reads the caps when the
-process first uses it: ``bound_caches`` must run before ``prepack``, and keeps a value the
-user set.
+Memory per input size: oneDNN builds (JIT-compiles) a kernel for every distinct input size it sees
+and keeps it in two caches (ideep's and oneDNN's own, 1,024 entries each), at about 0.25 MB per
+kernel, even for a 16-wide layer. An unbounded range of sizes (a prefill of rows x prompt length)
+would fill both caches as a job runs: a 20k-row job's C heap grew by 65 MB, and went on growing with
+the rows. ``MAX_ROWS`` bounds the sizes to ``MAX_ROWS - min_rows + 1`` per layer shape; above it
+oneDNN is no faster than MKL (0.96-1.06x at 128-1024 rows, 0.66-0.87x at 8-64; SmolLM2's layer
+shapes, one thread). That still allows 63 kernels per layer shape (about 0.6 MB each at SmolLM2's
+shapes): ``bound_caches`` caps both caches at ``CACHE_ENTRIES`` for the process (more than a round's
+working set, a few sizes per layer shape), so what they hold no longer depends on the job. oneDNN
+reads the caps when the process first uses it: ``bound_caches`` must run before ``prepack``, and
+keeps a value the user set.
 
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so

@@ -319,3 +319,21 @@ def round_step(kind: str, rows: int, k: int, accepted: list[int], emitted: int, 
     """A step of ``rows`` rows at ``k`` whose time is all verify (tests of the statistics' summaries)."""
     return make_step(group_kind=kind, batch_size=rows, k=k, accepted=accepted, tokens_emitted=emitted,
                      verify_ms=total_ms, total_ms=total_ms, **fields)
+
+
+def malloc_in_use() -> int | None:
+    """Bytes the C heap has handed out (glibc's mallinfo2), or None off glibc."""
+    import ctypes
+    import ctypes.util
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallinfo2.restype = Mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd

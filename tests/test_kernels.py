@@ -10,7 +10,7 @@ import torch
 from batchspec_cli import kernels
 from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
 from batchspec_cli.events import Request, RowResult
-from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy
+from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, malloc_in_use, perturbed_copy
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
 
@@ -125,23 +125,6 @@ def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch
     assert ran == "stock" and "float32" in notes[0]
 
 
-def _malloc_in_use() -> int | None:
-    """Bytes the C heap has handed out (glibc's mallinfo2), or None off glibc."""
-    import ctypes
-    import ctypes.util
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        libc.mallinfo2.restype = Mallinfo2
-    except (OSError, AttributeError):
-        return None
-    return libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd
-
-
 @torch.no_grad()
 def test_memory_does_not_grow_with_the_number_of_input_sizes():
     """A long job feeds a linear layer hundreds of distinct sizes (prefills of rows x prompt length). oneDNN keeps a
@@ -151,19 +134,19 @@ def test_memory_does_not_grow_with_the_number_of_input_sizes():
     sizes = range(1, 400)
     for rows in sizes:  # every size once: the bounded range's kernels are built here
         layer(torch.randn(rows, 16))
-    before = _malloc_in_use()
+    before = malloc_in_use()
     if before is None:
         pytest.skip("needs glibc's mallinfo2")
     for rows in range(400, 700):  # 300 new sizes
         x = torch.randn(rows, 16)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert _malloc_in_use() - before < 16 * 2**20
+    assert malloc_in_use() - before < 16 * 2**20
 
 
 _MANY_SHAPES = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_kernels import _malloc_in_use
+from conftest import malloc_in_use
 from batchspec_cli import kernels
 from batchspec_cli.assembly import use_kernels
 
@@ -176,16 +159,16 @@ if {bounded}:
     assert use_kernels("packed", Loaded(layers)) == ("packed", [])
 else:
     kernels.prepack(layers)
-before = _malloc_in_use()
+before = malloc_in_use()
 with torch.no_grad():
     for rows in range(kernels.DEFAULT_MIN_ROWS, kernels.MAX_ROWS + 1):
         for layer in layers:
             layer(torch.randn(rows, 16))
-print((_malloc_in_use() - before) / 2**20)
+print((malloc_in_use() - before) / 2**20)
 """
 
 
-@pytest.mark.skipif(_malloc_in_use() is None, reason="needs glibc's mallinfo2")
+@pytest.mark.skipif(malloc_in_use() is None, reason="needs glibc's mallinfo2")
 def test_the_jobs_kernels_hold_a_bounded_memory_however_many_sizes_run():
     """A job's process (use_kernels) caps oneDNN's kernel caches: 630 layer shape x size pairs, each a ~0.5 MB kernel
     here, hold a fraction of what the same run holds with the caches at oneDNN's own 1,024 entries."""

@@ -297,8 +297,8 @@ def test_what_a_batch_file_keeps_for_the_job_holds_no_string_per_line(tmp_path):
     inp = openai_batch.read_batch(path)
     assert list(inp.ids) == [f"c{i}" for i in range(len(urls))]
     assert isinstance(inp.ids.array, pa.Array)
-    assert [e == (openai_batch.COMPLETIONS if u == openai_batch.COMPLETIONS else openai_batch.CHAT)
-            for e, u in zip(inp.endpoints, urls)] == [True] * len(urls)
+    assert inp.endpoints == [openai_batch.COMPLETIONS if u == openai_batch.COMPLETIONS else openai_batch.CHAT
+                             for u in urls]
     assert {id(e) for e in inp.endpoints} == {id(openai_batch.CHAT), id(openai_batch.COMPLETIONS)}
 
 
