@@ -10,9 +10,10 @@ A job keeps its state in a *work directory* beside ``OUT`` (``.OUT.batchspec-wor
     parts/part-000001.stats.parquet    step statistics produced since the previous part
     merge/                             the finish's rows regrouped by input range (``merge``), made again
                                        by a rerun
-    input/rows.parquet                 the input's columns in input order, one row group per range of the
-                                       finish: what OUT passes through, read a range at a time (written
-                                       at every open)
+    input/rows.parquet                 the input's columns in input order: what OUT passes through, read a
+                                       range at a time (made again at every open)
+    reading/rows.parquet               a file input's rows as they are read, before the job is planned;
+                                       then moved to input/
 
 Every file is written under a temporary name, fsynced, renamed into place and its directory
 fsynced, so a part exists whole or not at all, whatever stops the process (SIGKILL, power
@@ -59,7 +60,7 @@ from .outputs import part_schema, results_table, stats_table, write_parquet_stre
 JOB_FORMAT = "batchspec-job"
 JOB_VERSION = 1
 LOCK_NAME, JOB_NAME, PARTS_NAME, BUCKETS_NAME, MERGE_NAME = "lock", "job.json", "parts", "buckets", "merge"
-INPUT_NAME = "input"
+INPUT_NAME, READING_NAME = "input", "reading"
 _UNREADABLE_LOCK_GRACE_S = 10.0  # an empty/garbled lock younger than this may be mid-write
 
 
@@ -94,6 +95,7 @@ class WorkDir:
         self.buckets = self.path / BUCKETS_NAME
         self.merge = self.path / MERGE_NAME
         self.input = self.path / INPUT_NAME
+        self.reading = self.path / READING_NAME
         self.locked = False
         self._next_part = 1
 
@@ -308,6 +310,25 @@ class WorkDir:
         write_parquet_stream_atomic(path, pieces, None, table.schema)
         return path
 
+    def reading_store(self) -> Path:
+        """Where a file input's rows go as they are read (reading/rows.parquet, in a reading/ made empty)."""
+        return self._fresh(self.reading) / "rows.parquet"
+
+    def keep_read_input(self, stored: Path) -> Path:
+        """The input's rows written by reading (``reading_store``) moved to input/rows.parquet; returns its path."""
+        check_own_file(stored, "the input's rows")
+        path = self._fresh(self.input) / "rows.parquet"
+        os.replace(stored, path)
+        fsync_directory(self.input)
+        return path
+
+    def drop_reading(self) -> None:
+        """Remove reading/ (what a read that is not kept left)."""
+        if os.path.lexists(self.reading):
+            check_own_directory(self.reading)
+            _refuse_links_in(self.reading)
+            shutil.rmtree(self.reading)
+
     def part_paths(self, kind: str) -> list[Path]:
         """The parts of one kind ("rows" or "stats"), in part order."""
         if not os.path.lexists(self.parts):
@@ -337,7 +358,7 @@ class WorkDir:
             write_table_atomic(self.parts / f"part-{number:06d}.rows.parquet", results_table(results))
 
 
-_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|{MERGE_NAME}|{INPUT_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
+_OWN_ENTRY = re.compile(rf"({re.escape(JOB_NAME)}|{PARTS_NAME}|{BUCKETS_NAME}|{MERGE_NAME}|{INPUT_NAME}|{READING_NAME}|\.{re.escape(JOB_NAME)}\..+\.tmp"
                         rf"|\.{LOCK_NAME}\.stale-.+|\.{BUCKETS_NAME}\.(tmp|old)-.+)")
 
 

@@ -8,7 +8,9 @@ and, where it applies, the line (JSONL, 1-based, blank lines counted) or row (Pa
 
 A JSONL file is parsed ``CHUNK_ROWS`` lines at a time (``jsonl_chunked_table``), and the prompts
 and ids are never Python lists for the whole input: ``Prompts`` parses a chunk of the prompt
-column when asked, ``Ids`` is one Arrow string array.
+column when asked, ``Ids`` is one Arrow string array. Given a ``store`` path (a job's work
+directory), a file's rows go to disk as they are read and the table is a ``StoredTable`` read a
+row group at a time: reading a file of any size holds a chunk of it, its ids and its bad rows.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +73,43 @@ def id_array(ids: Sequence[str]) -> pa.Array:
     return ids.array if isinstance(ids, Ids) else pa.array(list(ids), type=pa.string())
 
 
+class StoredTable:
+    """The input's columns in a Parquet file, in input order, read a row group at a time: the part of
+    ``pa.Table``'s interface the job reads its input through (``num_rows``, ``schema``, ``column_names``,
+    ``slice``, ``column``), so an input of any size is never in memory whole."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            found = pq.ParquetFile(f)
+            self.schema = found.schema_arrow
+            sizes = [found.metadata.row_group(i).num_rows for i in range(found.metadata.num_row_groups)]
+        self.num_rows = int(sum(sizes))
+        self._starts = np.cumsum([0, *sizes])  # [row groups + 1] the first row of each row group, then the end
+        self._held: tuple[tuple[int, int], pa.Table] | None = None  # the row groups read last: rows are read in order
+
+    @property
+    def column_names(self) -> list[str]:
+        return self.schema.names
+
+    def slice(self, offset: int = 0, length: int | None = None) -> pa.Table:
+        """Rows [offset, offset + length) with every column (the row groups they lie in are read)."""
+        stop = self.num_rows if length is None else min(self.num_rows, offset + length)
+        if offset >= stop:
+            return self.schema.empty_table()
+        first = int(np.searchsorted(self._starts, offset, side="right")) - 1
+        last = int(np.searchsorted(self._starts, stop, side="left")) - 1
+        if self._held is None or self._held[0] != (first, last):
+            with open(self.path, "rb") as f:
+                self._held = (first, last), pq.ParquetFile(f).read_row_groups(range(first, last + 1))
+        return self._held[1].slice(offset - int(self._starts[first]), stop - offset)
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        """One column whole (a per-row setting's)."""
+        with open(self.path, "rb") as f:
+            return pq.ParquetFile(f).read(columns=[name]).column(0)
+
+
 class Prompts(Sequence):
     """[rows] the rows' prompts, parsed from the table's prompt column a chunk at a time when asked for (none is
     held): a plain string, or chat messages; "" for a row whose cell is no prompt (its reason is in the table's
@@ -110,7 +150,9 @@ class Prompts(Sequence):
 @dataclass
 class InputTable:
     path: Path
-    table: pa.Table  # every input column as read (after --limit), in input order: what the output passes through
+    # every input column as read (after --limit), in input order: what the output passes through (on disk when read
+    # with a store)
+    table: pa.Table | StoredTable
     prompts: Sequence[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]; "" for a row in errors
     ids: Sequence[str]  # [rows] the row's id as a string (a file's: ``Ids``, an Arrow array)
     # Only for inputs that carry their own per-row requests (an OpenAI batch file, see openai_batch):
@@ -129,7 +171,7 @@ class InputTable:
         """A column's values of rows [start, stop) as the input wrote them (see ``values``)."""
         if column in self.written:
             return self.written[column][start:stop]
-        return self.table.column(column).slice(start, stop - start).to_pylist()
+        return self.table.slice(start, stop - start).column(column).to_pylist()
 
 
 class BadPrompt(ValueError):
@@ -141,12 +183,15 @@ def read_input(
     prompt_column: str = "prompt",
     id_column: str = DEFAULT_ID_COLUMN,
     limit: int | None = None,
+    store: Path | None = None,
 ) -> InputTable:
     """Read a prompts file, validate it, and extract prompts and ids.
 
     Ids come from `id_column` when that column exists, else from the 0-based row index.
     A missing `id_column` is an error only when it is not the default `"id"` (i.e. the
-    caller named a column explicitly).
+    caller named a column explicitly). With ``store`` (a path in a directory of the caller's), the rows are
+    written there as they are read and the table is a ``StoredTable`` over it; a JSONL file whose columns
+    change kind between chunks is read whole all the same.
     """
     path = Path(path)
     if limit is not None and limit < 1:
@@ -158,22 +203,26 @@ def read_input(
         raise InputError(f"{path}: unsupported input format ({shown}); accepted: {accepted}")
     check_readable_file(path)
     if suffix in PARQUET_SUFFIXES:
-        return table_input(path, _read_parquet(path, limit), prompt_column, id_column)
-    table, line_numbers, bad = jsonl_chunked_table(path, limit, soft=prompt_column)
+        if store is None:
+            return table_input(path, _read_parquet(path, limit), prompt_column, id_column)
+        table, written = _store_parquet(path, limit, store)
+        return table_input(path, table, prompt_column, id_column, written=written)
+    table, line_numbers, bad, written = jsonl_chunked_table(path, limit, soft=prompt_column, store=store)
     if table is None:  # a column whose kind changes between chunks: read as one, as a whole-file reader would
         lines = read_jsonl(path, limit, soft=prompt_column)
         table, written = jsonl_table(lines.rows)
         return table_input(path, table, prompt_column, id_column, lines.where.__getitem__, written, lines.bad)
-    return table_input(path, table, prompt_column, id_column, lambda i: f"line {line_numbers[i]}", errors=bad)
+    return table_input(path, table, prompt_column, id_column, lambda i: f"line {line_numbers[i]}", written, bad)
 
 
-def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
+def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, id_column: str,
                 where: Callable[[int], str] | None = None, written: dict[str, list] | None = None,
                 errors: dict[int, str] | None = None) -> InputTable:
     """Validate a table read from any source and extract prompts and ids (see read_input).
 
     ``where(i)`` names row i in messages (default "row i+1"); ``written``: the values as written of the
-    columns the table holds as text (InputTable.written); ``errors``: rows already refused (an error row each).
+    columns the table holds as text (InputTable.written; a ``StoredTable`` holds them as text already);
+    ``errors``: rows already refused (an error row each).
     A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input.
     Prompts and ids are checked a chunk of rows at a time: the input's rows are never all Python objects."""
     where = where if where is not None else (lambda i: f"row {i + 1}")
@@ -197,7 +246,9 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
             raise InputError(
                 f"{path}: input column '{name}' clashes with an output column; rename it"
             )
-    table, written = _storable(table, dict(written or {}))
+    written = dict(written or {})
+    if isinstance(table, pa.Table):
+        table, written = _storable(table, written)
     inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written)
     inp.prompts = Prompts(inp, prompt_column)
     ids = []
@@ -224,12 +275,20 @@ def table_input(path: Path, table: pa.Table, prompt_column: str, id_column: str,
 
 def _storable(table: pa.Table, written: dict[str, list]) -> tuple[pa.Table, dict[str, list]]:
     """The table with every column nested deeper than MAX_NESTING as JSON text (Parquet could not read it back),
-    and the values as written of those columns added to ``written``."""
+    and the values as written of those columns appended to ``written`` (a table read a chunk at a time: once a
+    chunk, in order)."""
     for index, name in enumerate(table.column_names):
         if _nesting(table.schema.field(index).type) > MAX_NESTING:
-            values = written.setdefault(name, table.column(name).to_pylist())
+            values = table.column(name).to_pylist()
+            written.setdefault(name, []).extend(values)
             table = table.set_column(index, name, _text_array(values))
     return table, written
+
+
+def _storable_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as ``_storable`` leaves it (every column nested deeper than MAX_NESTING: a string)."""
+    return pa.schema([pa.field(f.name, pa.string()) if _nesting(f.type) > MAX_NESTING else f for f in schema],
+                     metadata=schema.metadata)
 
 
 def _nesting(t: pa.DataType) -> int:
@@ -323,41 +382,69 @@ def iter_jsonl(path: Path, limit: int | None, soft: str | None = None,
         yield out
 
 
-def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None) -> tuple[pa.Table | None, np.ndarray, dict]:
-    """A JSONL file as one table built ``CHUNK_ROWS`` lines at a time: (table, [rows] line numbers, bad rows).
+def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None, store: Path | None = None
+                        ) -> tuple[pa.Table | StoredTable | None, np.ndarray, dict, dict[str, list]]:
+    """A JSONL file as one table built ``CHUNK_ROWS`` lines at a time: (table, [rows] line numbers, bad rows,
+    the values as written of the columns a ``StoredTable`` holds as text).
 
     The table equals ``jsonl_table`` of the whole file wherever every column has one kind of value throughout
     (a chunk where a column is all null or missing takes the other chunks' type); the table is None where it
-    would not (a column whose type differs between chunks, or one held as JSON text): read the file whole."""
-    tables, lines, bad, rows = [], [], {}, 0
-    for chunk in iter_jsonl(path, limit, soft):
-        table, written = jsonl_table(chunk.rows)
-        if written:
-            return None, np.zeros(0, np.int64), {}
-        tables.append(table)
-        lines.append(np.array([int(w.removeprefix("line ")) for w in chunk.where], np.int64))
-        bad.update({rows + i: why for i, why in chunk.bad.items()})
-        rows += len(chunk.rows)
+    would not (a column whose type differs between chunks, or one held as JSON text): read the file whole.
+    With ``store``, each chunk goes to disk as it is parsed (an Arrow file beside ``store``), then every chunk
+    with its columns' one type into ``store``: the table is a ``StoredTable``."""
+    pieces, lines, bad, rows = [], [], {}, 0  # pieces: the chunks' tables, or with a store their files
     names: dict[str, None] = {}
     types: dict[str, set] = {}
-    for table in tables:
-        names.update(dict.fromkeys(table.column_names))
-        for field_ in table.schema:
-            if not pa.types.is_null(field_.type):
-                types.setdefault(field_.name, set()).add(field_.type)
-    if any(len(kinds) > 1 for kinds in types.values()):
-        return None, np.zeros(0, np.int64), {}
-    schema = pa.schema([(name, next(iter(types.get(name, {pa.null()})))) for name in names])
-    def column(table: pa.Table, name: str):
-        kind = schema.field(name).type
-        if name not in table.column_names:
-            return pa.nulls(table.num_rows, kind)
-        have = table.column(name)
-        return have if have.type == kind else have.cast(kind)  # pyarrow's identity cast breaks list<null>
+    try:
+        for chunk in iter_jsonl(path, limit, soft, CHUNK_ROWS):
+            table, written = jsonl_table(chunk.rows)
+            if written:
+                return None, np.zeros(0, np.int64), {}, {}
+            names.update(dict.fromkeys(table.column_names))
+            for field_ in table.schema:
+                if not pa.types.is_null(field_.type):
+                    types.setdefault(field_.name, set()).add(field_.type)
+            if any(len(kinds) > 1 for kinds in types.values()):
+                return None, np.zeros(0, np.int64), {}, {}
+            pieces.append(table if store is None else _spill(table, store.with_name(f"{store.name}.{len(pieces)}")))
+            lines.append(np.array([int(w.removeprefix("line ")) for w in chunk.where], np.int64))
+            bad.update({rows + i: why for i, why in chunk.bad.items()})
+            rows += len(chunk.rows)
+        schema = pa.schema([(name, next(iter(types.get(name, {pa.null()})))) for name in names])
 
-    whole = pa.concat_tables([pa.table({name: column(table, name) for name in names}, schema=schema)
-                              for table in tables]) if tables and names else pa.table({})
-    return whole, np.concatenate(lines) if lines else np.zeros(0, np.int64), bad
+        def conform(table: pa.Table) -> pa.Table:
+            def column(name: str):
+                kind = schema.field(name).type
+                if name not in table.column_names:
+                    return pa.nulls(table.num_rows, kind)
+                have = table.column(name)
+                return have if have.type == kind else have.cast(kind)  # pyarrow's identity cast breaks list<null>
+            return pa.table({name: column(name) for name in names}, schema=schema)
+
+        line_numbers = np.concatenate(lines) if lines else np.zeros(0, np.int64)
+        if not pieces or not names:
+            return pa.table({}), line_numbers, bad, {}
+        if store is None:
+            return pa.concat_tables([conform(table) for table in pieces]), line_numbers, bad, {}
+        written: dict[str, list] = {}
+        with pq.ParquetWriter(store, _storable_schema(schema)) as writer:
+            for piece in pieces:
+                with pa.memory_map(str(piece)) as source:
+                    table, written = _storable(conform(pa.ipc.open_file(source).read_all()), written)
+                writer.write_table(table)
+                del table
+        return StoredTable(store), line_numbers, bad, written
+    finally:
+        for piece in pieces:
+            if isinstance(piece, Path):
+                piece.unlink(missing_ok=True)
+
+
+def _spill(table: pa.Table, path: Path) -> Path:
+    """``table`` written to an Arrow file at ``path`` (read back exactly, types and all)."""
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -456,17 +543,47 @@ def _json_kind(value: Any) -> str:
     return "a number"
 
 
-def _read_parquet(path: Path, limit: int | None) -> pa.Table:
+@contextmanager
+def _reading_parquet(path: Path):
+    """Whatever reading the Parquet file ``path`` raises, as an InputError naming it."""
     try:
-        with open(path, "rb") as f:
-            table = pq.read_table(f)
+        yield
     except PermissionError:
         raise InputError(f"{path}: permission denied (cannot read the file)") from None
     except (pa.ArrowException, OSError, ValueError) as e:
         raise InputError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
+
+
+def _read_parquet(path: Path, limit: int | None) -> pa.Table:
+    with _reading_parquet(path), open(path, "rb") as f:
+        table = pq.read_table(f)
     if limit is not None:
         table = table.slice(0, limit)
     return table
+
+
+def _store_parquet(path: Path, limit: int | None, store: Path) -> tuple[StoredTable, dict[str, list]]:
+    """The first ``limit`` rows of a Parquet file copied to ``store`` ``CHUNK_ROWS`` at a time, as ``_storable``
+    leaves them, and the values as written of the columns it made text."""
+    written: dict[str, list] = {}
+    left = limit
+    with _reading_parquet(path):
+        f = open(path, "rb")
+    with f:
+        with _reading_parquet(path):
+            found = pq.ParquetFile(f)
+            batches = found.iter_batches(batch_size=CHUNK_ROWS)
+        with pq.ParquetWriter(store, _storable_schema(found.schema_arrow)) as writer:
+            while left is None or left > 0:
+                with _reading_parquet(path):
+                    batch = next(batches, None)
+                if batch is None:
+                    break
+                batch = batch if left is None else batch.slice(0, left)
+                left = None if left is None else left - batch.num_rows
+                table, written = _storable(pa.Table.from_batches([batch]), written)
+                writer.write_table(table)
+    return StoredTable(store), written
 
 
 def _first_line(e: BaseException) -> str:

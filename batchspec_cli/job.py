@@ -29,7 +29,6 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
@@ -48,7 +47,7 @@ from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
-from .inputs import id_array, row_value
+from .inputs import StoredTable, id_array, row_value
 from .plan import JobPlan, plan_job, release_free_memory
 from .stops import StopStrings
 
@@ -430,8 +429,8 @@ class Generation:
         cfg, plan = self.cfg, self.plan
         token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
         created = int(time.time())
-        passthrough = pq.ParquetFile(plan.passthrough) if plan.passthrough is not None else None
-        for index, (first, table) in enumerate(merge.ranges(self.work.merge, plan.total_rows)):
+        passthrough = StoredTable(plan.passthrough) if plan.passthrough is not None else plan.inp.table
+        for first, table in merge.ranges(self.work.merge, plan.total_rows):
             rows, token_ids = table.column("row").to_pylist(), table.column("token_ids").to_pylist()
             reasons = table.column("finish_reason").to_pylist()
             texts = self.texts_of(rows, token_ids, reasons)
@@ -447,10 +446,9 @@ class Generation:
                 yield openai_batch.output_text(plan.inp, results, texts, plan.tokenizer, model=plan.target_name,
                                                chat=cfg.chat, salt=plan.input_hash, created=created)
                 continue
-            inputs = passthrough.read_row_group(index) if passthrough is not None \
-                else plan.inp.table.slice(first, table.num_rows)
+            inputs = passthrough.slice(first, table.num_rows)
             if inputs.num_rows != table.num_rows:
-                raise RuntimeError(f"the kept input has {inputs.num_rows} rows in range {index}, not {table.num_rows}")
+                raise RuntimeError(f"the kept input has {inputs.num_rows} rows from row {first}, not {table.num_rows}")
             ids = id_array(plan.inp.ids).slice(first, table.num_rows)
             if plan.wants_logprobs:
                 yield outputs.completions_table(inputs, ids.to_pylist(), results, texts, token_text)

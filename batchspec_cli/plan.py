@@ -6,14 +6,16 @@ tokenizers (a mismatched draft is refused before its weights load), the models a
 engine (``assembly.assemble``); then either resume this job's interrupted run (its saved
 rows and steps, its length buckets, made again when damaged), refuse another job's work (a
 different fingerprint), or tokenize every prompt into length buckets in the work directory;
-last, write the input's columns to the work directory and let go of them (``JobPlan.passthrough``):
-an open job holds the ids (one Arrow array), not the input. ``job.Generation`` runs the plan.
+last, keep the input's columns in the work directory (``JobPlan.passthrough``): a prompts file's rows
+went there as they were read, a chunk at a time; an open job holds the ids (one Arrow array), not the
+input. ``job.Generation`` runs the plan.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ from .engine import Engine
 from .errors import InputError
 from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
-from .inputs import TEXT_COLUMNS, Ids, InputTable, id_array, row_overrides, setting_columns
+from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array, row_overrides, setting_columns
 from .outputs import stats_path_for
 from .prompts import render_prompts
 
@@ -71,8 +73,8 @@ class JobPlan:
     last_step: int = 0  # the highest step number the interrupted run saved
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
     constraint: Constraint | None = None  # the job's --json-schema / --regex / --choice / --json (rows may differ)
-    # the input's columns in input order, one row group per range of the finish (WorkDir.keep_input): OUT's
-    # passthrough columns, read back a range at a time; ``inp.table`` then holds only the schema
+    # the input's columns in input order (WorkDir.keep_input / keep_read_input): OUT's passthrough columns, read
+    # back a range at a time (inputs.StoredTable); ``inp.table`` then holds only the schema
     passthrough: Path | None = None
 
     @property
@@ -105,20 +107,26 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     once."""
     constraint = job_constraint(cfg)  # a bad schema or regex is refused before anything is read
     stats_path, saved_job = _check_output(cfg, work)
-    source = _read_input(cfg)  # before any model is loaded: bad input fails fast
-    plan = _load(cfg, stats_path, source, constraint)
-    # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
-    if saved_job is not None:
-        changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
-        if changes:
-            raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
-                             f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
-                             f"to discard its work")
-        return _keep_input(work, _resume(cfg, work, plan))
-    work.clear()  # leftovers of a run that died before it was resumable
-    if plan.bucket_dir is None:
-        plan = _make_buckets(cfg, work, plan)
-    plan = _keep_input(work, plan)
+    try:
+        source = _read_input(cfg, work)  # before any model is loaded: bad input fails fast
+        plan = _load(cfg, stats_path, source, constraint)
+        # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
+        if saved_job is not None:
+            changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
+            if changes:
+                raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
+                                 f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
+                                 f"to discard its work")
+            return _keep_input(work, _resume(cfg, work, plan))
+        if plan.bucket_dir is None:
+            plan = _make_buckets(cfg, work, plan)
+        plan = _keep_input(work, plan)
+    except BaseException:
+        try:  # the input as read is not kept: an interrupted run's work directory is left as it was
+            work.drop_reading()
+        except (CheckpointError, OSError):
+            pass
+        raise
     work.save_part(list(plan.announce), [])  # saved before the job exists: resumable means complete
     work.start_job(fingerprint(cfg, plan), plan.total_rows)
     return plan
@@ -128,9 +136,14 @@ def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
     """The plan with its input's columns on disk (``passthrough``) and out of memory: the ids stay (an Arrow
     array), the table keeps its schema only."""
     inp = plan.inp
-    path = work.keep_input(inp.table, merge.range_rows(plan.total_rows))
+    if isinstance(inp.table, StoredTable):  # written to the work directory as it was read: moved, not copied
+        path = work.keep_read_input(inp.table.path)
+    else:
+        path = work.keep_input(inp.table, merge.range_rows(plan.total_rows))
+    work.drop_reading()
     kept = dataclasses.replace(inp, table=inp.table.schema.empty_table(), prompts=(), written={})
     plan = dataclasses.replace(plan, inp=kept, passthrough=path)
+    gc.collect()  # the input read refers to itself (its Prompts): it goes now, not at a later collection
     release_free_memory()
     return plan
 
@@ -172,6 +185,8 @@ def _check_output(cfg: GenerateConfig, work: WorkDir) -> tuple[Path, dict | None
         for path in (cfg.output, stats_path):
             if path.exists():
                 raise UsageError(f"{path} already exists; pass --overwrite to replace it")
+    if saved_job is None:
+        work.clear()  # leftovers of a run that died before it was resumable
     return stats_path, saved_job
 
 
@@ -187,8 +202,9 @@ class _Source:
     manifest: Manifest | None = None
 
 
-def _read_input(cfg: GenerateConfig) -> _Source:
-    """A file, a Hugging Face dataset or an OpenAI batch, read whole; a bucket directory opened."""
+def _read_input(cfg: GenerateConfig, work: WorkDir) -> _Source:
+    """A prompts file read into the work directory a chunk at a time (``WorkDir.reading_store``); a Hugging
+    Face dataset or an OpenAI batch read whole; a bucket directory opened."""
     output_format = sources.output_format(cfg)
     if cfg.input.is_dir() and not sources.is_dataset_dir(cfg.input):
         if not is_bucket_dir(cfg.input):
@@ -196,7 +212,7 @@ def _read_input(cfg: GenerateConfig) -> _Source:
         manifest = open_buckets(cfg.input)
         input_hash = hash_files([cfg.input / "manifest.json"] + [cfg.input / b.shard for b in manifest.buckets])
         return _Source(output_format, input_hash, bucket_dir=cfg.input, manifest=manifest)
-    inp, input_hash = sources.read(cfg)
+    inp, input_hash = sources.read(cfg, work.reading_store())
     if ROW_COLUMN in inp.table.column_names or PROMPT_IDS_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: column names {ROW_COLUMN} and {PROMPT_IDS_COLUMN} are reserved")
     return _Source(output_format, input_hash, inp, {**row_overrides(inp, cfg), **inp.overrides})
@@ -320,7 +336,7 @@ def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
     rendered = render_prompts(plan.inp, plan.tokenizer, cfg.chat, cfg.system, most_tokens, what,
                               cfg.allow_special_tokens)
     with naming(work.buckets):
-        manifest = build_buckets(work.buckets, plan.inp.table, rendered.ids,
+        manifest = build_buckets(work.buckets, plan.inp.table.slice(0), rendered.ids,
                                  tokenizer_settings(cfg, plan.target_name), width=cfg.bucket_width,
                                  min_rows=cfg.batch_size, overwrite=True)
     failed = tuple(RowResult(row, plan.inp.ids[row], [], "error", error=error)

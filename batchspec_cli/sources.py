@@ -29,8 +29,9 @@ from .inputs import InputTable, read_input
 
 
 
-def read(cfg) -> tuple[InputTable, str]:
-    """The job's input (``cfg``: a config.GenerateConfig) and its hash; InputError with a one-line message."""
+def read(cfg, store: Path | None = None) -> tuple[InputTable, str]:
+    """The job's input (``cfg``: a config.GenerateConfig) and its hash; InputError with a one-line message.
+    A prompts file's rows are written to ``store`` as they are read (``inputs.read_input``)."""
     kind = datasets_input.kind(cfg.input)
     if kind is None:  # a file path (existing or not): the file readers
         if cfg.split != datasets_input.DEFAULT_SPLIT or cfg.dataset_config is not None:
@@ -38,7 +39,7 @@ def read(cfg) -> tuple[InputTable, str]:
         if cfg.input_format == "openai" or (cfg.input_format == "auto" and openai_batch.is_batch_file(cfg.input)):
             inp = openai_batch.read_for_job(cfg)
         else:
-            inp = read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit)
+            inp = read_input(cfg.input, cfg.prompt_column, cfg.id_column, cfg.limit, store)
         return inp, hash_files([cfg.input])
     if cfg.input_format == "openai":
         raise InputError(f"{cfg.input}: --input-format openai reads one .jsonl file of OpenAI Batch requests")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import random
@@ -753,11 +754,84 @@ def test_jsonl_read_in_chunks_equals_the_whole_file_read(tmp_path, monkeypatch):
     for cut in range(1, len(lines) + 1):
         path = tmp_path / f"in{cut}.jsonl"
         path.write_text("\n".join(json.dumps(line) for line in lines[:cut]) + "\n\n")
-        got = read_input(path)
         whole = inputs.jsonl_table(inputs.read_jsonl(path, None).rows)[0]
-        assert got.table.equals(inputs._storable(whole, {})[0]), cut
-        assert list(got.ids) == [line["id"] for line in lines[:cut]]
-        assert list(got.prompts) == [line["prompt"] for line in lines[:cut]]
+        for store in (None, tmp_path / f"rows{cut}.parquet"):  # in memory, and written to disk as it is read
+            got = read_input(path, store=store)
+            assert got.table.slice(0).equals(inputs._storable(whole, {})[0]), (cut, store)
+            assert list(got.ids) == [line["id"] for line in lines[:cut]]
+            assert list(got.prompts) == [line["prompt"] for line in lines[:cut]]
+    assert all(p.suffix in (".jsonl", ".parquet") for p in tmp_path.iterdir())  # the chunks' own files are gone
+
+
+def nested(depth: int, leaf):
+    return leaf if depth == 0 else [nested(depth - 1, leaf)]
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+@pytest.mark.parametrize("limit", [None, 5])
+def test_a_file_written_to_disk_as_it_is_read_equals_the_file_read_in_memory(tmp_path, monkeypatch, kind, limit):
+    """With a store, the rows go to disk a chunk at a time: the table read back, its prompts, ids, error rows and
+    the values as written of a column too deep for Parquet are those of the same file read in memory."""
+    monkeypatch.setattr(inputs, "CHUNK_ROWS", 3)
+    rows = [{"id": 10 * i, "prompt": f"tell me {i}" if i % 4 else None, "score": i / 2 if i > 3 else None,
+             "deep": nested(inputs.MAX_NESTING + 2, i), "msgs": [{"role": "user", "content": str(i)}]}
+            for i in range(11)]
+    path = write_jsonl(tmp_path / "in.jsonl", rows) if kind == "jsonl" else \
+        write_parquet(tmp_path / "in.parquet", rows)
+    if kind == "parquet":  # several row groups, cut across the chunks
+        pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)
+    memory = read_input(path, limit=limit)
+    stored = read_input(path, limit=limit, store=tmp_path / "rows.parquet")
+    assert isinstance(stored.table, inputs.StoredTable) and stored.table.num_rows == (limit or len(rows))
+    assert stored.table.slice(0).equals(memory.table)
+    assert list(stored.ids) == list(memory.ids) == [str(10 * i) for i in range(limit or len(rows))]
+    assert list(stored.prompts) == list(memory.prompts)
+    assert stored.errors == memory.errors and set(stored.errors) == {i for i in (0, 4, 8) if i < (limit or 11)}
+    assert stored.values("deep") == memory.values("deep") == [rows[i]["deep"] for i in range(limit or len(rows))]
+    assert stored.values("score") == memory.values("score")
+
+
+def test_a_stored_table_reads_any_range_as_the_table_does(tmp_path):
+    """``StoredTable.slice`` over row groups of uneven sizes, in any order, equals ``pa.Table.slice``."""
+    table = pa.table({"n": list(range(50)), "s": [f"v{i}" * (i % 3) for i in range(50)]})
+    path = tmp_path / "t.parquet"
+    with pq.ParquetWriter(path, table.schema) as writer:
+        for first, size in ((0, 7), (7, 1), (8, 20), (28, 22)):
+            writer.write_table(table.slice(first, size))
+    stored = inputs.StoredTable(path)
+    rng = random.Random(0)
+    for _ in range(200):
+        offset = rng.randrange(0, 55)
+        length = rng.randrange(0, 30)
+        assert stored.slice(offset, length).equals(table.slice(offset, length)), (offset, length)
+    assert stored.column("s").to_pylist() == table.column("s").to_pylist()
+    assert stored.num_rows == 50 and stored.column_names == ["n", "s"]
+
+
+def test_reading_into_a_store_holds_one_chunk_however_long_the_file(tmp_path, monkeypatch):
+    """While a file is read into a store, the Arrow memory live at each chunk stays that of a chunk: it does not
+    grow with the chunks read before it (read in memory, it grows by every chunk's table)."""
+    monkeypatch.setattr(inputs, "CHUNK_ROWS", 1000)
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i} " + "words " * 40} for i in range(20000)])
+    parse = inputs.jsonl_table
+
+    def live(store):
+        seen = []
+        monkeypatch.setattr(inputs, "jsonl_table", lambda rows: (seen.append(pa.total_allocated_bytes()),
+                                                                 parse(rows))[1])
+        before = pa.total_allocated_bytes()
+        inp = read_input(path, store=store)
+        return [n - before for n in seen], pa.total_allocated_bytes() - before, inp
+
+    in_memory, _, inp = live(None)
+    table_bytes = inp.table.nbytes
+    del inp
+    gc.collect()  # an InputTable and its Prompts refer to each other
+    stored, held, inp = live(tmp_path / "rows.parquet")
+    assert len(stored) == 20
+    assert in_memory[-1] - in_memory[0] > 0.8 * table_bytes  # the check can see growth: the chunks accumulate
+    assert max(stored) < 0.15 * table_bytes, (stored, table_bytes)  # a chunk is 5 % of the table
+    assert held < 0.2 * table_bytes, (held, table_bytes)  # the ids and at most a row group or two remain
 
 
 def test_a_list_of_nulls_reads_as_written(tmp_path):

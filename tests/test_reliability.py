@@ -183,9 +183,11 @@ def test_sigterm_stops_cleanly_then_resumes(tmp_path, models, prompts, reference
     assert f"{len(saved_rows)} of {N_ROWS} rows saved" in stderr
     assert not (work_dir_for(out) / "lock").exists()  # a clean stop releases the lock
 
+    entries = sorted(p.name for p in work_dir_for(out).iterdir())
     changed = generate(prompts, out, models, "--draft-tokens", "3")
     assert changed.exit_code == 2 and "--draft-tokens: was 5, now 3" in changed.output
     assert "--restart" in changed.output and saved_parts(out)[0] == saved_rows  # nothing was touched
+    assert sorted(p.name for p in work_dir_for(out).iterdir()) == entries  # nor added: the input read is not kept
 
     result = generate(prompts, out, models, "--log-json", log, "--batch-size", "5")  # batch size may change
     assert result.exit_code == 0, result.output

@@ -131,7 +131,7 @@ def test_symlinked_work_dir_is_refused_and_its_target_untouched(tmp_path, job_di
     assert entries(tmp_path) == {"in.jsonl", "victim", work_dir_for(out).name}  # no .done-* link either
 
 
-@pytest.mark.parametrize("name", ["lock", "job.json", "parts", "buckets"])
+@pytest.mark.parametrize("name", ["lock", "job.json", "parts", "buckets", "input", "reading"])
 def test_symlinked_entry_of_the_work_dir_is_refused(tmp_path, job_dir, model, name):
     inp, out = job_dir
     work = interrupted_job(inp, out, model) if name != "lock" else work_dir_for(out)

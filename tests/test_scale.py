@@ -116,6 +116,45 @@ def test_input_side_memory_does_not_grow_with_the_rows(tmp_path):
     assert per_row < 40, (held_small, held_large)
 
 
+OPEN_PEAK = """
+import sys, tracemalloc
+from pathlib import Path
+import pyarrow as pa
+from batchspec_cli.config import GenerateConfig
+from batchspec_cli.job import Generation
+inp, out, model = map(Path, sys.argv[1:])
+cfg = GenerateConfig(input=inp, output=out, target=str(model), mode="ar", batch_size=8, max_new_tokens=4,
+                     dtype="float32", quiet=True)
+arrow_before = pa.default_memory_pool().max_memory()
+tracemalloc.start()
+with Generation.open(cfg) as job:
+    assert job.total_rows == int(inp.stem.removeprefix("peak"))
+    print(tracemalloc.get_traced_memory()[1], pa.default_memory_pool().max_memory() - arrow_before)
+"""
+
+
+def open_peak(model: Path, root: Path, rows: int) -> int:
+    """The peak of Python and Arrow memory while a job opens (read, tokenize, bucket), in a fresh process: Arrow's
+    high-water mark is the process's."""
+    inp = write_prompts(root / f"peak{rows}.jsonl", rows)
+    done = subprocess.run([sys.executable, "-c", OPEN_PEAK, str(inp), str(root / f"peak{rows}.parquet"), str(model)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    python_peak, arrow_peak = map(int, done.stdout.split())
+    return python_peak + arrow_peak
+
+
+def test_the_setups_peak_does_not_grow_with_the_rows(tmp_path):
+    """Opening a job reads, tokenizes and buckets its prompts a chunk at a time: between N and 5N rows the peak
+    of what it holds grows by the few bytes a row it keeps (ids, lengths), not by the input's table and every
+    prompt's token ids at once (over a hundred bytes a row)."""
+    model = save_tiny_model_dir(tmp_path / "model", seed=0)
+    small, large = 4000, 20000
+    peak_small, peak_large = open_peak(model, tmp_path, small), open_peak(model, tmp_path, large)
+    per_row = (peak_large - peak_small) / (large - small)
+    assert per_row < 40, (peak_small, peak_large)
+
+
 # --------------------------------------------------------------------------- kills
 
 SLOW = """
