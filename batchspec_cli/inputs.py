@@ -266,7 +266,7 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
                                 type=pa.string()))
     if id_column in names:
         inp.ids = Ids(pa.chunked_array(ids, type=pa.string()))
-        if pc.count_distinct(inp.ids.array).as_py() != len(inp.ids):
+        if _repeats(inp.ids.array):
             check_unique(list(inp.ids), path, id_column)
     else:
         inp.ids = Ids(pc.cast(pa.array(np.arange(table.num_rows)), pa.string()))
@@ -645,6 +645,17 @@ def _parse_id(value: Any, path: Path, where: Callable[[int], str], row: int, col
     if value is None or (isinstance(value, float) and math.isnan(value)):
         raise InputError(f"{path}: {where(row)}: id column '{column}' is null")
     return str(value)
+
+
+def _repeats(values: pa.Array) -> bool:
+    """Does a value occur twice? Sorted order compared a chunk at a time: 8 bytes a row and a chunk (a hash of
+    every value, ``count_distinct``, peaks near 100 bytes a row)."""
+    order = pc.array_sort_indices(values)
+    for start in range(0, max(0, len(values) - 1), CHUNK_ROWS):
+        run = values.take(order.slice(start, CHUNK_ROWS + 1))
+        if pc.any(pc.equal(run.slice(1), run.slice(0, len(run) - 1))).as_py():
+            return True
+    return False
 
 
 def check_unique(ids: list[str], path: Path, column: str) -> None:

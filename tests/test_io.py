@@ -228,6 +228,24 @@ def test_duplicate_ids(tmp_path):
     assert "'5'" not in str(info.value)  # at most five ids named
 
 
+@pytest.mark.parametrize("chunk", [2, 3, 8192])
+def test_one_repeated_id_is_found_wherever_it_lies(tmp_path, monkeypatch, chunk):
+    """Ids are checked in sorted order a chunk at a time: a pair of equal ids is found whichever chunks the sorted
+    order puts them in (the oracle: Python's set)."""
+    monkeypatch.setattr(inputs, "CHUNK_ROWS", chunk)
+    rng = random.Random(chunk)
+    for trial in range(30):
+        ids = [f"{rng.randrange(10**6)}" for _ in range(rng.randrange(1, 40))]
+        if trial % 2 and len(ids) > 1:
+            ids[rng.randrange(len(ids))] = ids[rng.randrange(len(ids))]
+        p = write_jsonl(tmp_path / f"in{trial}.jsonl", [{"id": i, "prompt": "q"} for i in ids])
+        if len(set(ids)) == len(ids):
+            assert list(read_input(p).ids) == ids
+        else:
+            with raises_input_error("duplicate ids"):
+                read_input(p)
+
+
 def test_duplicate_ids_after_str(tmp_path):
     p = write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "prompt": "a"}, {"id": "1", "prompt": "b"}])
     with raises_input_error("dup.jsonl", "duplicate ids", "'1'"):
