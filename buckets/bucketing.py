@@ -182,28 +182,50 @@ def _check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def auto_max_width(lengths: Sequence[int]) -> int:
-    """Largest span (tokens) the automatic policy lets a bucket reach."""
-    longest = max((_as_length(n) for n in lengths), default=0)
-    return max(AUTO_MIN_WIDTH, math.ceil(AUTO_WIDTH_FRACTION * longest))
+def _checked_array(lengths: np.ndarray) -> np.ndarray:
+    """A numpy array of lengths, refused unless it holds integers >= 0."""
+    if lengths.dtype.kind not in "iu":
+        raise BucketError(f"prompt lengths must be integers, got an array of {lengths.dtype}")
+    if lengths.size and lengths.min() < 0:
+        raise BucketError(f"prompt length must be >= 0, got {int(lengths.min())}")
+    return lengths
 
 
-def plan_buckets(
-    lengths: Sequence[int], width: int | None = None, min_rows: int = 8
-) -> list[tuple[int, int]]:
-    """Cut the prompt lengths into contiguous inclusive ranges ``[(lo, hi), ...]``.
-
-    Ranges are sorted, disjoint, tight (``lo`` and ``hi`` both occur in ``lengths``) and
-    cover every length. See the module docstring for the two policies.
-    """
-    if width is not None:
-        _check_positive_int("bucket width", width)
-    _check_positive_int("min_rows", min_rows)
+def _length_counts(lengths: Sequence[int] | np.ndarray) -> dict[int, int]:
+    """Rows per distinct length, sorted by length; counted by numpy for an array (no Python loop per row)."""
+    if isinstance(lengths, np.ndarray):
+        distinct, counts = np.unique(_checked_array(lengths), return_counts=True)
+        return dict(zip(distinct.tolist(), counts.tolist()))
     counts: dict[int, int] = {}
     for value in lengths:
         length = _as_length(value)
         counts[length] = counts.get(length, 0) + 1
-    distinct = sorted(counts)
+    return dict(sorted(counts.items()))
+
+
+def auto_max_width(lengths: Sequence[int] | np.ndarray) -> int:
+    """Largest span (tokens) the automatic policy lets a bucket reach."""
+    if isinstance(lengths, np.ndarray):
+        longest = int(_checked_array(lengths).max()) if lengths.size else 0
+    else:
+        longest = max((_as_length(n) for n in lengths), default=0)
+    return max(AUTO_MIN_WIDTH, math.ceil(AUTO_WIDTH_FRACTION * longest))
+
+
+def plan_buckets(
+    lengths: Sequence[int] | np.ndarray, width: int | None = None, min_rows: int = 8
+) -> list[tuple[int, int]]:
+    """Cut the prompt lengths into contiguous inclusive ranges ``[(lo, hi), ...]``.
+
+    Ranges are sorted, disjoint, tight (``lo`` and ``hi`` both occur in ``lengths``) and
+    cover every length. See the module docstring for the two policies. ``lengths`` may be a
+    numpy integer array (one per row, a million rows counted without a Python loop).
+    """
+    if width is not None:
+        _check_positive_int("bucket width", width)
+    _check_positive_int("min_rows", min_rows)
+    counts = _length_counts(lengths)
+    distinct = list(counts)
     if width is not None:
         return _plan_fixed(distinct, width)
     return _plan_auto(distinct, counts, min_rows, auto_max_width(distinct))

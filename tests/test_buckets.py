@@ -7,6 +7,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
@@ -168,6 +169,21 @@ def test_bad_lengths_refused(lengths):
 def test_bad_min_rows_refused():
     with pytest.raises(BucketError, match="min_rows"):
         plan_buckets([1, 2], min_rows=0)
+
+
+@hsettings(database=None)
+@given(lengths=lengths_st, width=st.one_of(st.none(), st.integers(1, 64)), min_rows=st.integers(1, 20),
+       dtype=st.sampled_from([np.int32, np.int64, np.uint16]))
+def test_plan_of_an_array_is_the_plan_of_its_list(lengths, width, min_rows, dtype):
+    array = np.array(lengths, dtype=dtype)
+    assert plan_buckets(array, width=width, min_rows=min_rows) == plan_buckets(lengths, width=width, min_rows=min_rows)
+    assert auto_max_width(array) == auto_max_width(lengths)
+
+
+@pytest.mark.parametrize("array", [np.array([1, -1]), np.array([1.5]), np.array([True])])
+def test_bad_length_arrays_refused(array):
+    with pytest.raises(BucketError, match="length"):
+        plan_buckets(array)
 
 
 # --- building and reading ---------------------------------------------------------------
