@@ -122,6 +122,7 @@ ROW_GROUP_ROWS = 1024  # Parquet row-group size: bounds memory when streaming a 
 MAX_OPEN_SHARDS = 64  # shards written at once; more buckets read the spill once per this many
 MAX_PIECES = 64  # small tables a bucket's buffer holds before they are joined into one
 SPILL_NAME = "spill.parquet"  # the rows as they came, in the temporary directory until the shards are written
+DATA_PAGE_BYTES = 64 * 1024  # Parquet data page size: the buffers an open writer keeps (1 MiB by default)
 
 
 class BucketError(Exception):
@@ -526,7 +527,7 @@ def _spill(path: Path, chunks: Iterable[pa.Table]) -> np.ndarray:
         for position, chunk in enumerate(chunks):
             _check_chunk(chunk, position, total, writer.schema if writer is not None else None)
             if writer is None:
-                writer = pq.ParquetWriter(path, chunk.schema)
+                writer = _parquet_writer(path, chunk.schema)
             if chunk.num_rows:
                 writer.write_table(chunk, row_group_size=ROW_GROUP_ROWS)
                 ids = chunk.column(PROMPT_IDS_COLUMN)
@@ -594,12 +595,20 @@ def _write_shards(spill: Path, tmp_dir: Path, lengths: np.ndarray, ranges: list[
     return rows.tolist()
 
 
+def _parquet_writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
+    """A Parquet writer for the spill or a shard. The two bucket columns are not dictionary-encoded (token ids
+    and row numbers gain nothing from it on disk) and pages are small: an open writer then keeps about 0.2 MiB
+    of buffers instead of 1.8, which ``MAX_OPEN_SHARDS`` writers would otherwise multiply."""
+    dictionary = [name for name in schema.names if name not in (ROW_COLUMN, PROMPT_IDS_COLUMN)]
+    return pq.ParquetWriter(path, schema, use_dictionary=dictionary, data_page_size=DATA_PAGE_BYTES)
+
+
 class _ShardWriter:
     """One bucket's shard being written: rows are buffered until they make a row group of ``ROW_GROUP_ROWS``
     rows, so less than one row group's rows wait at a time (as few small tables: see ``MAX_PIECES``)."""
 
     def __init__(self, path: Path, schema: pa.Schema):
-        self.writer = pq.ParquetWriter(path, schema)
+        self.writer = _parquet_writer(path, schema)
         self.pieces: list[pa.Table] = []  # the buffered rows, in input order
         self.buffered = 0  # rows in pieces
 
