@@ -570,27 +570,32 @@ def bucket(
     quiet: QuietOpt = False,
 ) -> None:
     """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
-    from buckets import BucketError, build_buckets
+    from buckets import BucketError, bucket_chunk, write_buckets
     from . import models
     from .config import GenerateConfig, tokenizer_settings
-    from .prompts import render_prompts
+    from .prompts import render_chunks
 
     if bucket_width is not None and bucket_width < 1:
         raise fail(f"--bucket-width must be positive, got {bucket_width}")
     try:
         inp = read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        rendered = render_prompts(inp, tokenizer, chat, system, special_tokens=allow_special_tokens)
-        if rendered.errors:
-            row, error = min(rendered.errors.items())
-            raise fail(f"{input}: row {row + 1}: {error}; `generate` would report it as an error row")
         cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
                              id_column=id_column, chat=chat, system=system,
                              allow_special_tokens=allow_special_tokens)
         settings = tokenizer_settings(cfg, name) | ({TEXT_COLUMNS: sorted(inp.written)} if inp.written else {})
+        errors: dict[int, str] = {}
+
+        def chunks():  # the input's rows with their ids, a chunk at a time; the first failed row stops it
+            for start, ids in render_chunks(inp, tokenizer, chat, system, errors, special_tokens=allow_special_tokens):
+                if errors:
+                    row, error = min(errors.items())
+                    raise fail(f"{input}: row {row + 1}: {error}; `generate` would report it as an error row")
+                yield bucket_chunk(start, ids, inp.table.slice(start, len(ids)))
+
         with naming(directory):
-            manifest = build_buckets(directory, inp.table, rendered.ids, settings, width=bucket_width,
-                                     min_rows=min_rows, overwrite=overwrite)
+            manifest = write_buckets(directory, chunks(), settings, width=bucket_width, min_rows=min_rows,
+                                     overwrite=overwrite)
     except (InputError, models.ModelError, BucketError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:  # the machine refused a write (a full disk)

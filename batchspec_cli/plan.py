@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, build_buckets, is_bucket_dir, open_buckets,
-                     read_all_rows, settings_hash)
+from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, bucket_chunk, is_bucket_dir, open_buckets,
+                     read_all_rows, settings_hash, write_buckets)
 
 from . import constraints
 from . import merge
@@ -44,7 +44,7 @@ from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
 from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array, row_overrides, setting_columns
 from .outputs import stats_path_for
-from .prompts import render_prompts
+from .prompts import render_chunks
 
 @dataclass(frozen=True)
 class JobPlan:
@@ -330,17 +330,18 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
 
 
 def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
-    """Tokenize every prompt once and write the length buckets into the work directory; the prompts
-    that failed become ``announce`` error rows."""
+    """Tokenize every prompt once, a chunk at a time, into the length buckets of the work directory; the prompts
+    that failed become ``announce`` error rows. The shards hold the row numbers and token ids only: the input's
+    columns are kept apart (``_keep_input``)."""
     most_tokens, what = _prompt_token_limit(cfg, plan.target)
-    rendered = render_prompts(plan.inp, plan.tokenizer, cfg.chat, cfg.system, most_tokens, what,
-                              cfg.allow_special_tokens)
+    errors: dict[int, str] = {}
+    chunks = (bucket_chunk(start, ids) for start, ids in render_chunks(
+        plan.inp, plan.tokenizer, cfg.chat, cfg.system, errors, most_tokens, what, cfg.allow_special_tokens))
     with naming(work.buckets):
-        manifest = build_buckets(work.buckets, plan.inp.table.slice(0), rendered.ids,
-                                 tokenizer_settings(cfg, plan.target_name), width=cfg.bucket_width,
-                                 min_rows=cfg.batch_size, overwrite=True)
+        manifest = write_buckets(work.buckets, chunks, tokenizer_settings(cfg, plan.target_name),
+                                 width=cfg.bucket_width, min_rows=cfg.batch_size, overwrite=True)
     failed = tuple(RowResult(row, plan.inp.ids[row], [], "error", error=error)
-                   for row, error in sorted(rendered.errors.items()))
+                   for row, error in sorted(errors.items()))
     return dataclasses.replace(plan, bucket_dir=work.buckets, manifest=manifest, announce=failed)
 
 

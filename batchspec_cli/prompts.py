@@ -1,4 +1,4 @@
-"""Every prompt of an input to token ids, once: the loop `generate` and `batchspec bucket` share.
+"""Every prompt of an input to token ids, once, a chunk at a time: the loop `generate` and `batchspec bucket` share.
 
 A prompt that cannot be rendered does not stop the others: its ids are ``[]`` and its reason
 is kept by row (`generate` writes it as the row's error; `bucket` refuses the input).
@@ -7,7 +7,7 @@ is kept by row (`generate` writes it as the row's error; `bucket` refuses the in
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,11 +118,16 @@ class RenderedPrompts:
     errors: dict[int, str]  # row -> why it has no ids (one line)
 
 
-def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
-                   most_tokens: int | None = None, what: str = "", special_tokens: bool = False) -> RenderedPrompts:
-    """Render every prompt of ``inp`` (chat template when ``chat``, ``system`` added; see render_prompt),
-    ``CHUNK_ROWS`` rows per tokenizer call; the ids are kept in Arrow form (four bytes a token), never as Python
-    lists for the job. A prompt holding a control token's string is rendered alone (``render_prompt``).
+def render_chunks(inp: InputTable, tokenizer, chat: bool, system: str | None, errors: dict[int, str],
+                  most_tokens: int | None = None, what: str = "",
+                  special_tokens: bool = False) -> Iterator[tuple[int, pa.Array]]:
+    """Render the prompts of ``inp`` a chunk of ``CHUNK_ROWS`` rows at a time: yields (the chunk's first row, its
+    rows' ids: ``[chunk rows]`` list<int32>, ``[]`` for a row that failed), and puts a failed row's reason in
+    ``errors`` (row -> one line) before its chunk is yielded. Only the chunk's prompts are parsed and held.
+
+    Each chunk is one tokenizer call (chat template when ``chat``, ``system`` added; see render_prompt); the ids
+    are kept in Arrow form (four bytes a token), never as Python lists for the job. A prompt holding a control
+    token's string is rendered alone (``render_prompt``).
 
     A row fails, in this order, when the input refused it already (``inp.errors``: an OpenAI
     batch line), when its text has more bytes than ``most_tokens`` tokens could hold (refused
@@ -131,7 +136,6 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
     """
     most_bytes = max_prompt_bytes(tokenizer, most_tokens) if most_tokens is not None else None
     controls = [] if special_tokens else _control_strings(tokenizer)  # strings that would become control tokens
-    chunks, errors = [], {}
     for start in range(0, len(inp.prompts), CHUNK_ROWS):
         prompts = _chunk(inp.prompts, start, min(len(inp.prompts), start + CHUNK_ROWS))
         ids: list[list[int]] = [[] for _ in prompts]
@@ -158,7 +162,14 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
                                     None if raw else system, errors, rows)
             for row, row_ids in zip(rows, rendered):
                 ids[row - start] = row_ids
-        chunks.append(pa.array(ids, type=pa.list_(pa.int32())))
+        yield start, pa.array(ids, type=pa.list_(pa.int32()))
+
+
+def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
+                   most_tokens: int | None = None, what: str = "", special_tokens: bool = False) -> RenderedPrompts:
+    """Every prompt of ``inp`` rendered (``render_chunks``), the ids of all rows at once."""
+    errors: dict[int, str] = {}
+    chunks = [ids for _, ids in render_chunks(inp, tokenizer, chat, system, errors, most_tokens, what, special_tokens)]
     return RenderedPrompts(pa.chunked_array(chunks, type=pa.list_(pa.int32())), errors)
 
 

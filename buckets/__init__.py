@@ -8,6 +8,7 @@ from buckets.bucketing import (
     BucketError,
     Manifest,
     auto_max_width,
+    bucket_chunk,
     build_buckets,
     is_bucket_dir,
     iter_bucket_rows,
@@ -15,6 +16,7 @@ from buckets.bucketing import (
     plan_buckets,
     read_all_rows,
     settings_hash,
+    write_buckets,
 )
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "BucketError",
     "Manifest",
     "auto_max_width",
+    "bucket_chunk",
     "build_buckets",
     "is_bucket_dir",
     "iter_bucket_rows",
@@ -32,4 +35,5 @@ __all__ = [
     "plan_buckets",
     "read_all_rows",
     "settings_hash",
+    "write_buckets",
 ]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
@@ -19,6 +24,7 @@ from buckets import (
     BucketError,
     Manifest,
     auto_max_width,
+    bucket_chunk,
     build_buckets,
     is_bucket_dir,
     iter_bucket_rows,
@@ -26,7 +32,9 @@ from buckets import (
     plan_buckets,
     read_all_rows,
     settings_hash,
+    write_buckets,
 )
+from buckets import bucketing
 
 SETTINGS = {"tokenizer": "HuggingFaceTB/SmolLM2-135M", "chat": True, "system": None, "column": "prompt"}
 
@@ -170,6 +178,21 @@ def test_bad_min_rows_refused():
         plan_buckets([1, 2], min_rows=0)
 
 
+@hsettings(database=None)
+@given(lengths=lengths_st, width=st.one_of(st.none(), st.integers(1, 64)), min_rows=st.integers(1, 20),
+       dtype=st.sampled_from([np.int32, np.int64, np.uint16]))
+def test_plan_of_an_array_is_the_plan_of_its_list(lengths, width, min_rows, dtype):
+    array = np.array(lengths, dtype=dtype)
+    assert plan_buckets(array, width=width, min_rows=min_rows) == plan_buckets(lengths, width=width, min_rows=min_rows)
+    assert auto_max_width(array) == auto_max_width(lengths)
+
+
+@pytest.mark.parametrize("array", [np.array([1, -1]), np.array([1.5]), np.array([True])])
+def test_bad_length_arrays_refused(array):
+    with pytest.raises(BucketError, match="length"):
+        plan_buckets(array)
+
+
 # --- building and reading ---------------------------------------------------------------
 
 
@@ -192,7 +215,7 @@ def test_build_round_trip(lengths, width, min_rows):
         assert [(b.lo, b.hi) for b in manifest.buckets] == plan_buckets(lengths, width, min_rows)
         assert manifest.total_rows == len(lengths) == sum(b.rows for b in manifest.buckets)
 
-        # every row lands in exactly one bucket, within its [lo, hi], in (length, row) order
+        # every row lands in exactly one bucket, within its [lo, hi], in input order within it
         seen: list[int] = []
         for bucket, batch in iter_bucket_rows(out, manifest, batch_rows=7):
             assert batch.num_rows <= 7
@@ -203,7 +226,7 @@ def test_build_round_trip(lengths, width, min_rows):
                 assert len(row_ids) == lengths[row]
             seen.extend(rows)
         assert sorted(seen) == list(range(len(lengths)))
-        assert seen == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        assert seen == [i for b in manifest.buckets for i in range(len(lengths)) if b.lo <= lengths[i] <= b.hi]
 
         # round trip: input order, input columns and prompt ids unchanged
         back = read_all_rows(out, manifest)
@@ -225,6 +248,127 @@ def test_streaming_batches_bounded(tmp_path):
     assert sum(sizes) == 700
     with pytest.raises(BucketError, match="batch_rows"):
         next(iter_bucket_rows(tmp_path / "b", manifest, batch_rows=0))
+
+
+def shards_of(directory: Path, manifest: Manifest) -> list[pa.Table]:
+    return [pq.read_table(directory / b.shard) for b in manifest.buckets]
+
+
+def test_more_buckets_than_open_shards_write_the_same_shards(tmp_path, monkeypatch):
+    """With the writers bounded below the number of buckets (the spill swept once per window), and row groups
+    small enough that buffers fill, join and flush, every shard holds its bucket's rows in input order, in
+    full row groups but the last, the same as with every writer open at once."""
+    lengths = np.random.default_rng(7).integers(0, 60, 3000).tolist()
+    table, prompt_ids = make_rows(lengths)
+    monkeypatch.setattr(bucketing, "ROW_GROUP_ROWS", 16)
+    monkeypatch.setattr(bucketing, "MAX_PIECES", 3)
+    monkeypatch.setattr(bucketing, "MAX_OPEN_SHARDS", 1000)
+    wide = build_buckets(tmp_path / "wide", table, prompt_ids, SETTINGS, width=4)
+    monkeypatch.setattr(bucketing, "MAX_OPEN_SHARDS", 4)
+    narrow = build_buckets(tmp_path / "narrow", table, prompt_ids, SETTINGS, width=4)
+    assert len(narrow.buckets) == 15 > 4  # lengths 0..59 in windows of 4 tokens
+    assert narrow == wide
+    assert shards_of(tmp_path / "narrow", narrow) == shards_of(tmp_path / "wide", wide)
+    for bucket, shard in zip(narrow.buckets, shards_of(tmp_path / "narrow", narrow)):
+        rows = [i for i in range(len(lengths)) if bucket.lo <= lengths[i] <= bucket.hi]
+        assert shard.column(ROW_COLUMN).to_pylist() == rows
+        assert shard.column(PROMPT_IDS_COLUMN).to_pylist() == [prompt_ids[i] for i in rows]
+        assert shard.column("id").to_pylist() == [f"r{i}" for i in rows]
+        metadata = pq.ParquetFile(tmp_path / "narrow" / bucket.shard).metadata
+        sizes = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        assert sizes[:-1] == [16] * (len(sizes) - 1) and 0 < sizes[-1] <= 16
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow", "wide"]  # no spill, no temp dirs
+
+
+def _chunks(case: str) -> list:
+    """Two chunks of three rows, spoiled as ``case`` says."""
+    table, prompt_ids = make_rows([3, 4, 5, 6, 7, 8])
+    first = bucket_chunk(0, pa.array(prompt_ids[:3], pa.list_(pa.int32())), table.slice(0, 3))
+    second = bucket_chunk(3, pa.array(prompt_ids[3:], pa.list_(pa.int32())), table.slice(3, 3))
+    if case == "not a table":
+        second = second.to_batches()[0]
+    elif case == "no rows column":
+        first = first.drop_columns([ROW_COLUMN])
+    elif case == "ids as int64":
+        first = first.set_column(first.schema.get_field_index(PROMPT_IDS_COLUMN), PROMPT_IDS_COLUMN,
+                                 first.column(PROMPT_IDS_COLUMN).cast(pa.list_(pa.int64())))
+    elif case == "other columns":
+        second = second.drop_columns(["score"])
+    elif case == "rows out of order":
+        second = bucket_chunk(4, second.column(PROMPT_IDS_COLUMN), table.slice(3, 3))
+    elif case == "null ids":
+        second = bucket_chunk(3, pa.array([[1], None, [2]], pa.list_(pa.int32())), table.slice(3, 3))
+    elif case == "clash":
+        first = bucket_chunk(0, first.column(PROMPT_IDS_COLUMN), first)
+    elif case == "empty":
+        first, second = first.slice(0, 0), second.slice(0, 0)
+    return [first, second]
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("not a table", "chunk 1 must be a pyarrow.Table"),
+        ("no rows column", "chunk 0 must have a '__row' column of int64"),
+        ("ids as int64", "chunk 0 must have a '__prompt_ids' column of list<item: int32>"),
+        ("other columns", "chunk 1 has other columns than the first chunk"),
+        ("rows out of order", "chunk 1: '__row' must count on from 3"),
+        ("null ids", "chunk 1 has a null '__prompt_ids'"),
+        ("clash", "input column '__row' clashes with a bucket column"),
+        ("empty", "no prompts to bucket"),
+    ],
+)
+def test_bad_chunks_refused(tmp_path, case, match):
+    with pytest.raises(BucketError, match=match):
+        write_buckets(tmp_path / "b", iter(_chunks(case)), SETTINGS)
+    assert list(tmp_path.iterdir()) == []  # no spill, no temp dir left behind
+    with pytest.raises(BucketError, match="no prompts to bucket"):
+        write_buckets(tmp_path / "b", iter([]), SETTINGS)
+
+
+# Buckets ``rows`` rows of 32..95 tokens (four buckets) from a generator of chunks, in a fresh process (Arrow's
+# peak cannot be reset, and Parquet allocates from the default pool directly: a proxy pool misses it); prints
+# [the most Arrow memory live when a chunk was asked for, the most live at any time].
+BUCKETING_PROCESS = """
+import json, sys
+import numpy as np, pyarrow as pa
+from buckets import bucket_chunk, write_buckets
+
+out, rows = sys.argv[1], int(sys.argv[2])
+lengths = np.random.default_rng(rows).integers(32, 96, rows)
+live_at_chunk = []
+
+def chunks():
+    for start in range(0, rows, 1024):
+        live_at_chunk.append(pa.total_allocated_bytes())
+        offsets = np.concatenate([[0], np.cumsum(lengths[start:start + 1024])])
+        values = np.random.default_rng(start).integers(0, 50_000, int(offsets[-1]))
+        ids = pa.ListArray.from_arrays(pa.array(offsets).cast(pa.int32()), pa.array(values).cast(pa.int32()))
+        yield bucket_chunk(start, ids)  # in Arrow's memory (the casts copy): live_at_chunk counts a chunk held
+
+manifest = write_buckets(out, chunks(), {}, width=16)
+assert len(manifest.buckets) == 4 and manifest.total_rows == rows
+print(json.dumps([max(live_at_chunk), pa.default_memory_pool().max_memory()]))
+"""
+
+
+def arrow_memory_while_bucketing(out: Path, rows: int) -> tuple[int, int]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", BUCKETING_PROCESS, str(out), str(rows)], env=env,
+                          capture_output=True, text=True, check=True)
+    return tuple(json.loads(done.stdout))
+
+
+def test_write_buckets_holds_about_a_row_group_per_bucket_whatever_the_rows(tmp_path):
+    """The chunks are read as they are made, and no more than a few row groups per bucket are held at once:
+    ten times the rows (49 MiB of token ids against 4.9) take no more Arrow memory at any point, but for the
+    four bytes a row of the lengths (about 4 MiB at either size, from the Parquet writers and readers)."""
+    small_live, small_peak = arrow_memory_while_bucketing(tmp_path / "small", 20_000)
+    big_live, big_peak = arrow_memory_while_bucketing(tmp_path / "big", 200_000)
+    lengths = 4 * (200_000 - 20_000)  # bytes the big input's lengths hold more
+    assert big_live - lengths < 2 * max(small_live, 1 << 20)
+    assert big_peak - lengths < 2 * small_peak
+    assert big_peak < 200_000 * 64 * 4 / 4  # a quarter of the big input's token ids (64 tokens a row on average)
 
 
 def test_manifest_round_trip(tmp_path):

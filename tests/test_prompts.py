@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from batchspec_cli.inputs import InputTable
 from batchspec_cli.prompts import max_prompt_bytes, render_prompt
 from batchspec_cli.cli import app
-from batchspec_cli.prompts import render_prompts
+from batchspec_cli import prompts as prompts_module
+from batchspec_cli.prompts import render_chunks, render_prompts
 from conftest import make_tokenizer, save_tiny_model_dir
 
 STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
@@ -42,6 +43,36 @@ def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
     assert rendered.errors[1] == "cannot render the prompt: tool messages are not supported"
     assert rendered.errors[2].startswith(f"prompt has {too_long} bytes, more than --max-prompt-tokens 50 can hold")
     assert rendered.errors[3] == "refused by the batch file"
+
+
+class CountedPrompts(list):
+    """Prompts that record which chunks were asked for (as ``inputs.Prompts`` parses a chunk at a time)."""
+
+    def __init__(self, prompts):
+        super().__init__(prompts)
+        self.asked: list[tuple[int, int]] = []
+
+    def chunk(self, start, stop):
+        self.asked.append((start, stop))
+        return list(self[start:stop])
+
+
+def test_chunks_come_one_at_a_time_with_their_errors(monkeypatch):
+    monkeypatch.setattr(prompts_module, "CHUNK_ROWS", 2)
+    tokenizer = strict_tokenizer()
+    prompts = CountedPrompts(["a", [{"role": "tool", "content": "x"}], "bc", "refused", "def"])
+    inp = an_input(prompts, {3: "refused by the batch file"})
+    errors: dict[int, str] = {}
+    chunks = render_chunks(inp, tokenizer, True, None, errors)
+    seen = []
+    for start, ids in chunks:
+        assert prompts.asked[-1] == (start, min(start + 2, 5))  # the next chunk is not parsed yet
+        assert sorted(errors) == [row for row in (1, 3) if row < start + len(ids)]  # this chunk's errors are in
+        seen.append((start, ids.type, ids.to_pylist()))
+    assert [start for start, _, _ in seen] == [0, 2, 4]
+    assert all(kind == pa.list_(pa.int32()) for _, kind, _ in seen)
+    expected = [[] if row in (1, 3) else render_prompt(tokenizer, prompts[row], True, None) for row in range(5)]
+    assert [row_ids for _, _, ids in seen for row_ids in ids] == expected
 
 
 def test_without_a_limit_no_prompt_is_refused_for_its_size():
