@@ -67,7 +67,9 @@ never holds them all, so its memory does not grow with the input but for four by
 2. *Route*: the spill is read back a row group at a time; each row goes to its bucket (the
    first range whose ``hi`` is not below its length), whose buffer becomes a row group of
    its shard once it holds ``ROW_GROUP_ROWS`` rows: less than a row group of rows waits per
-   bucket. At most ``MAX_OPEN_SHARDS`` shards are written at once; with more buckets the
+   bucket, and ``BUFFER_BYTES`` at most in all (past it, the fullest buffer is written as a
+   shorter row group: long prompts would otherwise hold a row group of every open shard).
+   At most ``MAX_OPEN_SHARDS`` shards are written at once; with more buckets the
    spill is read once per window of that many. The spill is removed before publishing
    (until then the temporary directory holds the rows twice).
 
@@ -121,6 +123,7 @@ AUTO_WIDTH_FRACTION = 0.10  # ... and is otherwise this share of the longest len
 ROW_GROUP_ROWS = 1024  # Parquet row-group size: bounds memory when streaming a shard
 MAX_OPEN_SHARDS = 64  # shards written at once; more buckets read the spill once per this many
 MAX_PIECES = 64  # small tables a bucket's buffer holds before they are joined into one
+BUFFER_BYTES = 8 << 20  # the most all buckets' buffers hold at once (the fullest is written past it)
 SPILL_NAME = "spill.parquet"  # the rows as they came, in the temporary directory until the shards are written
 DATA_PAGE_BYTES = 64 * 1024  # Parquet data page size: the buffers an open writer keeps (1 MiB by default)
 
@@ -587,6 +590,8 @@ def _write_shards(spill: Path, tmp_dir: Path, lengths: np.ndarray, ranges: list[
                     cuts = np.flatnonzero(np.diff(bucket_of[mine])) + 1
                     for taken in np.split(mine, cuts):
                         shards[int(bucket_of[taken[0]])].add(table.take(pa.array(taken)))
+                    while sum(shard.held for shard in shards.values()) > BUFFER_BYTES:
+                        max(shards.values(), key=lambda shard: shard.held).flush()
             finally:
                 for shard in shards.values():
                     shard.close()
@@ -611,6 +616,7 @@ class _ShardWriter:
         self.writer = _parquet_writer(path, schema)
         self.pieces: list[pa.Table] = []  # the buffered rows, in input order
         self.buffered = 0  # rows in pieces
+        self.held = 0  # bytes of the buffers the pieces keep alive
 
     def add(self, piece: pa.Table) -> None:
         self.pieces.append(piece)
@@ -622,12 +628,18 @@ class _ShardWriter:
             self.pieces, self.buffered = ([rest] if rest.num_rows else []), rest.num_rows
         elif len(self.pieces) >= MAX_PIECES:  # a sparse bucket: a row or two a row group, in one table instead
             self.pieces = [pa.concat_tables(self.pieces).combine_chunks()]
+        self.held = sum(piece.get_total_buffer_size() for piece in self.pieces)
 
-    def close(self) -> None:
-        """Write the rows still buffered (a shorter last row group) and close the file."""
+    def flush(self) -> None:
+        """Write the rows buffered as one row group (shorter than ``ROW_GROUP_ROWS``: a shorter last one, or
+        ``BUFFER_BYTES`` reached)."""
         if self.pieces:
             self.writer.write_table(pa.concat_tables(self.pieces), row_group_size=ROW_GROUP_ROWS)
-            self.pieces, self.buffered = [], 0
+        self.pieces, self.buffered, self.held = [], 0, 0
+
+    def close(self) -> None:
+        """Write the rows still buffered and close the file."""
+        self.flush()
         self.writer.close()
 
 

@@ -280,6 +280,27 @@ def test_more_buckets_than_open_shards_write_the_same_shards(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow", "wide"]  # no spill, no temp dirs
 
 
+def test_buffers_past_their_byte_bound_are_written_early_and_the_shards_hold_the_same_rows(tmp_path, monkeypatch):
+    """Past ``BUFFER_BYTES`` in all, the fullest bucket's buffer is written as a shorter row group: the shards
+    hold the same rows in the same order, in more row groups, and no buffer ever outgrows the bound by more than
+    the row group just routed."""
+    lengths = np.random.default_rng(3).integers(0, 60, 3000).tolist()
+    table, prompt_ids = make_rows(lengths)
+    monkeypatch.setattr(bucketing, "ROW_GROUP_ROWS", 64)
+    roomy = build_buckets(tmp_path / "roomy", table, prompt_ids, SETTINGS, width=4)
+    monkeypatch.setattr(bucketing, "BUFFER_BYTES", 4096)
+    held = []
+    add = bucketing._ShardWriter.add
+    monkeypatch.setattr(bucketing._ShardWriter, "add", lambda self, piece: (add(self, piece), held.append(self.held)))
+    tight = build_buckets(tmp_path / "tight", table, prompt_ids, SETTINGS, width=4)
+    assert tight == roomy
+    assert shards_of(tmp_path / "tight", tight) == shards_of(tmp_path / "roomy", roomy)
+    groups = {name: sum(pq.ParquetFile(tmp_path / name / b.shard).metadata.num_row_groups for b in roomy.buckets)
+              for name in ("roomy", "tight")}
+    assert groups["tight"] > groups["roomy"]
+    assert max(held) < 4096 + 64 * 60 * 4 * 4  # the bound plus at most one routed row group's rows
+
+
 def _chunks(case: str) -> list:
     """Two chunks of three rows, spoiled as ``case`` says."""
     table, prompt_ids = make_rows([3, 4, 5, 6, 7, 8])
