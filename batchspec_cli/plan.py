@@ -109,6 +109,7 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
     stats_path, saved_job = _check_output(cfg, work)
     try:
         source = _read_input(cfg, work)  # before any model is loaded: bad input fails fast
+        release_free_memory()  # what reading parsed and freed goes back before the models load on top of it
         plan = _load(cfg, stats_path, source, constraint)
         # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
         if saved_job is not None:
