@@ -235,7 +235,8 @@ class WorkDir:
         fsync_directory(self.path.parent)
 
     def _remove_own_entries(self) -> None:
-        """Delete job.json, parts/, buckets/, merge/ and the temporary files this tool leaves in the work directory."""
+        """Delete job.json, parts/, buckets/, merge/, input/, reading/ and the temporary files this tool leaves in the
+        work directory."""
         check_own_directory(self.path)
         own = sorted((e for e in os.scandir(self.path) if _is_own_entry(e.name)), key=lambda e: e.name != JOB_NAME)
         for entry in own:  # refuse before deleting anything

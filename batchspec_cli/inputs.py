@@ -429,10 +429,10 @@ def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None, store: 
         written: dict[str, list] = {}
         with pq.ParquetWriter(store, _storable_schema(schema)) as writer:
             for piece in pieces:
-                with pa.memory_map(str(piece)) as source:
+                with pa.memory_map(str(piece)) as source:  # written while the file is mapped: no copy is made
                     table, written = _storable(conform(pa.ipc.open_file(source).read_all()), written)
-                writer.write_table(table)
-                del table
+                    writer.write_table(table)
+                    del table
         return StoredTable(store), line_numbers, bad, written
     finally:
         for piece in pieces:
