@@ -161,6 +161,36 @@ def test_the_setups_peak_does_not_grow_with_the_rows(tmp_path):
     assert per_row < 60, (peak_small, peak_large)  # before: 460 bytes a row
 
 
+def test_the_merge_holds_its_buffer_however_many_ranges_the_rows_scatter_over(tmp_path, monkeypatch):
+    """The finish's regroup reads parts whose rows scatter over every range (rows finish bucket by bucket, not in
+    input order). What it holds between parts stays within its buffer's bound, the pieces' own cost counted: a
+    piece must not keep its whole part alive, and thousands of small pieces weigh more than their rows. Every row
+    comes back once, in input order, as written (the oracle: the parts themselves, sorted)."""
+    from batchspec_cli import outputs
+    from batchspec_cli.events import RowResult
+
+    rows = 20000
+    rng = random.Random(0)
+    order = sorted(range(rows), key=lambda r: (rng.randrange(10), r))  # ten buckets, input order within each
+    parts = []
+    for number, start in enumerate(range(0, rows, 1000)):
+        results = [RowResult(r, f"r{r}", [r % 97] * 8, "length", prompt_tokens=40) for r in order[start:start + 1000]]
+        parts.append(tmp_path / f"part-{number:06d}.rows.parquet")
+        pq.write_table(outputs.results_table(results), parts[-1])
+    monkeypatch.setattr(merge, "MIN_RANGE_ROWS", 16)  # 256 ranges, as at a million rows
+    monkeypatch.setattr(merge, "BUFFER_BYTES", 256 << 10)
+    live, read = [], outputs.read_table
+    monkeypatch.setattr(outputs, "read_table", lambda path: (live.append(pa.total_allocated_bytes()), read(path))[1])
+    before = pa.total_allocated_bytes()
+    (tmp_path / "merge").mkdir()
+    merge.regroup(parts, tmp_path / "merge", rows)
+    assert max(live) - before < 2 * merge.BUFFER_BYTES, (max(live) - before) / 1e6
+    merged = pa.concat_tables([table for _, table in merge.ranges(tmp_path / "merge", rows)])
+    expected = pa.concat_tables([pq.read_table(p) for p in parts]).sort_by("row")
+    assert merged.column("row").to_pylist() == list(range(rows))
+    assert merged.select(expected.column_names).equals(expected.combine_chunks())
+
+
 # --------------------------------------------------------------------------- kills
 
 SLOW = """
