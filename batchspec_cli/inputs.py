@@ -411,26 +411,16 @@ def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None, store: 
             bad.update({rows + i: why for i, why in chunk.bad.items()})
             rows += len(chunk.rows)
         schema = pa.schema([(name, next(iter(types.get(name, {pa.null()})))) for name in names])
-
-        def conform(table: pa.Table) -> pa.Table:
-            def column(name: str):
-                kind = schema.field(name).type
-                if name not in table.column_names:
-                    return pa.nulls(table.num_rows, kind)
-                have = table.column(name)
-                return have if have.type == kind else have.cast(kind)  # pyarrow's identity cast breaks list<null>
-            return pa.table({name: column(name) for name in names}, schema=schema)
-
         line_numbers = np.concatenate(lines) if lines else np.zeros(0, np.int64)
         if not pieces or not names:
             return pa.table({}), line_numbers, bad, {}
         if store is None:
-            return pa.concat_tables([conform(table) for table in pieces]), line_numbers, bad, {}
+            return pa.concat_tables([_conform(table, schema) for table in pieces]), line_numbers, bad, {}
         written: dict[str, list] = {}
         with pq.ParquetWriter(store, _storable_schema(schema)) as writer:
             for piece in pieces:
                 with pa.memory_map(str(piece)) as source:  # written while the file is mapped: no copy is made
-                    table, written = _storable(conform(pa.ipc.open_file(source).read_all()), written)
+                    table, written = _storable(_conform(pa.ipc.open_file(source).read_all(), schema), written)
                     writer.write_table(table)
                     del table
         return StoredTable(store), line_numbers, bad, written
@@ -438,6 +428,17 @@ def jsonl_chunked_table(path: Path, limit: int | None, soft: str | None, store: 
         for piece in pieces:
             if isinstance(piece, Path):
                 piece.unlink(missing_ok=True)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A chunk's table with ``schema``'s columns and types (a column it lacks: nulls)."""
+    def column(name: str):
+        kind = schema.field(name).type
+        if name not in table.column_names:
+            return pa.nulls(table.num_rows, kind)
+        have = table.column(name)
+        return have if have.type == kind else have.cast(kind)  # pyarrow's identity cast breaks list<null>
+    return pa.table({name: column(name) for name in schema.names}, schema=schema)
 
 
 def _spill(table: pa.Table, path: Path) -> Path:

@@ -420,8 +420,7 @@ def bucket_chunk(start: int, prompt_ids: pa.Array | pa.ChunkedArray, table: pa.T
     """A chunk for ``write_buckets``: ``table``'s rows (none: the two bucket columns only) numbered ``start``,
     ``start + 1``, ... in ``__row``, with their ``prompt_ids`` (list<int32>) in ``__prompt_ids``."""
     rows = pa.array(np.arange(start, start + len(prompt_ids)), type=pa.int64())
-    table = pa.table({}) if table is None else table
-    if table.num_columns == 0:
+    if table is None or table.num_columns == 0:
         return pa.table({ROW_COLUMN: rows, PROMPT_IDS_COLUMN: prompt_ids})
     return table.append_column(ROW_COLUMN, rows).append_column(PROMPT_IDS_COLUMN, prompt_ids)
 

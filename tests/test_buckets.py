@@ -289,16 +289,18 @@ def test_buffers_past_their_byte_bound_are_written_early_and_the_shards_hold_the
     monkeypatch.setattr(bucketing, "ROW_GROUP_ROWS", 64)
     roomy = build_buckets(tmp_path / "roomy", table, prompt_ids, SETTINGS, width=4)
     monkeypatch.setattr(bucketing, "BUFFER_BYTES", 4096)
-    held = []
-    add = bucketing._ShardWriter.add
-    monkeypatch.setattr(bucketing._ShardWriter, "add", lambda self, piece: (add(self, piece), held.append(self.held)))
+    shards, held = [], []  # every shard writer, and what all of them held at each piece added
+    make, add = bucketing._ShardWriter.__init__, bucketing._ShardWriter.add
+    monkeypatch.setattr(bucketing._ShardWriter, "__init__", lambda self, *a: (make(self, *a), shards.append(self))[0])
+    monkeypatch.setattr(bucketing._ShardWriter, "add",
+                        lambda self, piece: (add(self, piece), held.append(sum(s.held for s in shards)))[0])
     tight = build_buckets(tmp_path / "tight", table, prompt_ids, SETTINGS, width=4)
+    assert max(held) < 4096 + 64 * 400  # the bound plus at most one routed row group's rows (~300 bytes a row)
     assert tight == roomy
     assert shards_of(tmp_path / "tight", tight) == shards_of(tmp_path / "roomy", roomy)
     groups = {name: sum(pq.ParquetFile(tmp_path / name / b.shard).metadata.num_row_groups for b in roomy.buckets)
               for name in ("roomy", "tight")}
     assert groups["tight"] > groups["roomy"]
-    assert max(held) < 4096 + 64 * 60 * 4 * 4  # the bound plus at most one routed row group's rows
 
 
 def _chunks(case: str) -> list:
