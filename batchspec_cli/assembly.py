@@ -111,8 +111,8 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
         return "stock", [] if name == "auto" else ["--kernels packed needs a PyTorch build with oneDNN: "
                                                    "running the stock kernels"]
     extra = sum(kernels.packable_bytes(m) for m in present)
-    if extra == 0:  # a GPU, or another dtype than float32
-        return "stock", [] if name == "auto" else ["--kernels packed applies to float32 models on a CPU: "
+    if extra == 0:  # a GPU, or another dtype than float32 and bfloat16
+        return "stock", [] if name == "auto" else ["--kernels packed applies to float32 and bfloat16 models on a CPU: "
                                                    "running the stock kernels"]
     extra += pending_bytes
     free = kernels.memory_available()

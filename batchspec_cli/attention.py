@@ -259,6 +259,38 @@ def use_folded_sdpa(model) -> None:
         model.set_attn_implementation(FOLDED_SDPA)
 
 
+def _contiguous_input(module, args):
+    return (args[0].contiguous(), *args[1:])
+
+
+@contextmanager
+def contiguous_head(*models):
+    """Feed each model's output head a contiguous input inside the block.
+
+    A forward with ``logits_to_keep`` hands the head a slice of the last positions (``[group, 1, hidden]`` of a
+    ``[group, T, hidden]`` tensor). A strided 3D input sends ``F.linear`` down its batched path, which expands and
+    copies the whole head weight once per row: on a CPU in bfloat16 that copy was most of a prefill's time. A
+    forward pre-hook on the head makes the input contiguous (the same numbers); it is removed after the block.
+    """
+    hooks = []
+    try:
+        for model in models:
+            head = model.get_output_embeddings()
+            if head is not None:
+                hooks.append(head.register_forward_pre_hook(_contiguous_input))
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextmanager
+def for_run(*models):
+    """What the engine's models run with for one run: the folded GQA kernel and a contiguous output head."""
+    with folded_sdpa(*models), contiguous_head(*models):
+        yield
+
+
 @contextmanager
 def folded_sdpa(*models):
     """Run the ``foldable`` models with ``_folded_sdpa`` inside the block; afterwards each gets its own

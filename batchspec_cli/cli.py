@@ -342,6 +342,8 @@ class ProgressView:
         self.handlers = {Started: self.started_job, RowResult: self.row, StepStats: self.step}
 
     def started_job(self, event: Started) -> None:
+        if event.dtype and not self.bar.disable:
+            self.out.print(f"{event.mode}, {event.dtype} ({event.dtype_reason})", highlight=False)
         for note in event.notes:
             self.out.print(f"note: {note}", highlight=False)
         if event.resumed_rows:
@@ -377,7 +379,8 @@ class LogView:
     def started_job(self, event: Started) -> None:
         cfg = self.job.cfg
         self.log.write("start", version=__version__, total_rows=event.total_rows, mode=event.mode,
-                       input=str(cfg.input), output=str(cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows)
+                       input=str(cfg.input), output=str(cfg.output), pid=os.getpid(), resumed_rows=event.resumed_rows,
+                       dtype=event.dtype, dtype_reason=event.dtype_reason)
         if event.resumed_rows:
             self.log.write("resumed", rows_saved=event.resumed_rows, rows_left=event.total_rows - event.resumed_rows)
 
@@ -470,7 +473,10 @@ def _signal_name(signum: int | None) -> str | None:
 def verify(
     completions: Annotated[Path, typer.Argument(help="Completions .parquet written by `batchspec generate`.")],
     sample: Annotated[Optional[int], typer.Option(help="Check N random rows (default: every row).")] = None,
-    tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie.")] = 1e-3,
+    tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie, "
+                                                  "whatever the dtype.")] = 1e-3,
+    units: Annotated[float, typer.Option(help="A margin within this many units of the run's dtype at the logits' "
+                                              "magnitude is a near-tie (bfloat16 at 20: 1 unit = 0.125).")] = 4.0,
     seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = 0,
     device: DeviceOpt = "auto",
     threads: ThreadsOpt = None,
@@ -486,25 +492,29 @@ def verify(
         raise fail(f"--sample must be a positive integer, got {sample}")
     if not (math.isfinite(tolerance) and tolerance >= 0):
         raise fail(f"--tolerance must be a finite number >= 0, got {tolerance}")
+    if not (math.isfinite(units) and units >= 0):
+        raise fail(f"--units must be a finite number >= 0, got {units}")
     if threads:
         import torch
 
         torch.set_num_threads(threads)
     out = Console(quiet=quiet, soft_wrap=True)
     try:
-        report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device)
+        report = verify_run(completions, sample=sample, tolerance=tolerance, seed=seed, device=device, units=units)
     except (InputError, models.ModelError) as exc:
         raise fail(str(exc)) from None
     out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
               f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
-              f"{len(report.unexplained)} unexplained (tolerance {report.tolerance:g})", highlight=False)
+              f"{len(report.unexplained)} unexplained (near-tie: within {report.units:g} {report.dtype} units or "
+              f"{report.tolerance:g})", highlight=False)
     if report.mismatches:
         from rich.table import Table
 
-        table = Table("row", "id", "position", "run token", "reference token", "margin", "class")
+        table = Table("row", "id", "position", "run token", "reference token", "margin", "units", "class")
         for m in report.mismatches:
             table.add_row(str(m.row), m.id, str(m.position), str(m.run_token), str(m.reference_token),
-                          "-" if m.margin is None else f"{m.margin:.3g}", "near-tie" if m.near_tie else "unexplained")
+                          "-" if m.margin is None else f"{m.margin:.3g}", "-" if m.units is None else f"{m.units:.3g}",
+                          "near-tie" if m.near_tie else "unexplained")
         out.print(table)
     if report.unexplained:
         raise typer.Exit(code=1)

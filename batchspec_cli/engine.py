@@ -55,7 +55,7 @@ from . import drafters as drafting
 from . import sampling
 from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, selection
-from .attention import folded_sdpa, group_forward
+from .attention import for_run, group_forward
 from .config import DEFAULT, MODES
 from .constraints import Guide
 from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
@@ -163,6 +163,20 @@ class RoundOutcome:
     ended: float  # perf_counter at the round's end
 
 
+PREFILL_TOKENS = 4096  # columns x rows of one prefill forward: a wide batch of long prompts is not one giant forward
+
+
+def prefill_chunks(slots: list[int], columns: int, most: int = PREFILL_TOKENS) -> Iterator[tuple[list[int], int, int]]:
+    """The forwards that prefill ``columns`` columns of ``slots``: (rows, first column, end column), each at most
+    ``most`` tokens (rows x columns). Rows go in groups of ``most // columns``; a row longer than ``most`` alone, in
+    column chunks, each chunk attending to the columns cached before it (as a decode step does)."""
+    rows_per = max(1, most // max(1, columns))
+    step = columns if rows_per > 1 else min(columns, most)
+    for i in range(0, len(slots), rows_per):
+        for start in range(0, columns, step):
+            yield slots[i : i + rows_per], start, min(columns, start + step)
+
+
 def _contiguous_first(free: list[int], n: int) -> list[int]:
     """n free slots, one contiguous run when there is one (the admitted group then reads views)."""
     for i in range(len(free) - n + 1):
@@ -209,7 +223,7 @@ class Engine:
         self.step_no = 0
         self.has_draft = drafts and self.max_k > 0  # a draft model, loaded or not yet
         self.model_drafter: ModelDrafter | None = None
-        self._models = contextlib.ExitStack()  # the run's folded attention, entered for the draft when it loads
+        self._models = contextlib.ExitStack()  # the run's model settings (for_run), entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
         if policy is None:
             policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
@@ -217,11 +231,12 @@ class Engine:
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
-        """Decode every request; the models run the folded GQA attention (``attention.folded_sdpa``) for the run only.
+        """Decode every request; the models run the folded GQA attention and a contiguous output head
+        (``attention.for_run``) for the run only.
         Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
         self._reset(Admission(requests, self.cfg.batch_size))
         with self._models:
-            self._models.enter_context(folded_sdpa(*(h.model for h in (self.target, self.draft) if h is not None)))
+            self._models.enter_context(for_run(*(h.model for h in (self.target, self.draft) if h is not None)))
             while True:
                 yield from self._admit_from()
                 if not self.table.live:
@@ -336,11 +351,11 @@ class Engine:
     @torch.no_grad()
     def _drafter(self) -> ModelDrafter:
         """The run's draft-model drafter on the run's draft cache; the model is loaded on first use (within a run:
-        it runs folded attention too)."""
+        it runs with ``for_run`` too)."""
         if self.model_drafter is None:
             if self.draft is None:
                 self.draft = self._load_draft()
-                self._models.enter_context(folded_sdpa(self.draft.model))
+                self._models.enter_context(for_run(self.draft.model))
             self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab, self.table.draft)
         return self.model_drafter
 
@@ -350,9 +365,11 @@ class Engine:
         A row that does not fit even alone becomes an error row (its slot is freed).
         """
         try:
-            rows_index = selection(slots, self.device)
-            group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
-                          self.table.layout.tokens[rows_index, : end - 1], self.table.pads(slots), 0, logits_to_keep=1)
+            for rows, start, stop in prefill_chunks(slots, end - 1, PREFILL_TOKENS):
+                rows_index = selection(rows, self.device)
+                group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
+                              self.table.layout.tokens[rows_index, start:stop], self.table.pads(rows), start,
+                              logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()

@@ -81,6 +81,8 @@ class Started:
     notes: list[str] = field(default_factory=list)
     resumed_rows: int = 0  # rows already saved by an interrupted run of this job, not generated again
     work_dir: str = ""
+    dtype: str = ""  # the dtype the target runs in
+    dtype_reason: str = ""  # why (models.choose_dtype)
 
 
 @dataclass
@@ -126,7 +128,7 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
         **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft.name if plan.draft else None,
                           mode=plan.mode, window=pool_window(cfg.batch_size, cfg.window), kernels=plan.kernels,
                           dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
-        "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
+        "dtype_reason": plan.target.dtype_reason, "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
         "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),
         "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
         **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
@@ -337,7 +339,8 @@ class Generation:
         that it yields (a worker's progress) are passed through unrecorded."""
         plan = self.plan
         yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=list(plan.notes),
-                      resumed_rows=plan.resumed_rows, work_dir=str(self.work.path))
+                      resumed_rows=plan.resumed_rows, work_dir=str(self.work.path),
+                      dtype=str(plan.target.model.dtype).removeprefix("torch."), dtype_reason=plan.target.dtype_reason)
         yield from plan.announce  # prompt errors: already recorded and saved
         stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done_rows))
         try:

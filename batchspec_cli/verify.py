@@ -7,12 +7,18 @@ processor over ``sampling``'s pure functions: the same noise any run of that row
 whatever its mode, draft, k or batch). A constrained row (``constraints.py``) is decoded under
 its mask, taken from a fresh llguidance matcher fed the tokens generated so far. For each mismatch we report the first differing
 position and, there, the reference's score for its own token minus its score for the
-token the run chose (the *margin*). A margin below the tolerance is a float near-tie
+token the run chose (the *margin*). A margin within the tolerance is a float near-tie
 (docs/design.md, "What is guaranteed"); anything else is *unexplained*.
+
+The tolerance is stated in the dtype's own units (``unit``): one unit in the last place of the
+model's dtype at the magnitude of the two scores compared (bfloat16 at a logit of 20: 0.125;
+float32: 1.9e-6). A margin within ``units`` such units (default ``DEFAULT_UNITS``), or under the
+absolute ``tolerance`` (default 1e-3, the float32 audit as before), is a near-tie.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +31,17 @@ from .errors import InputError
 from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt, read_completions, read_run_metadata
 from .prompts import render_prompt
 
-DEFAULT_TOLERANCE = 1e-3
+DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
+DEFAULT_UNITS = 4.0  # a margin within this many units of the dtype's rounding is a near-tie (docs/design.md)
+MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}  # stored bits
+
+
+def unit(dtype: torch.dtype, magnitude: float) -> float:
+    """One unit in the last place of ``dtype`` at ``magnitude``: the spacing of the numbers it can hold there."""
+    info = torch.finfo(dtype)
+    magnitude = max(abs(magnitude), info.tiny)
+    bits = MANTISSA_BITS.get(dtype) or round(-math.log2(info.eps))  # eps = 2 ** -(stored mantissa bits)
+    return 2.0 ** (math.floor(math.log2(magnitude)) - bits)
 
 
 @dataclass
@@ -37,6 +53,7 @@ class Mismatch:
     reference_token: int | None  # None: the reference stopped here
     margin: float | None  # reference logit(own) - logit(run's token); None when not defined
     near_tie: bool
+    units: float | None = None  # the margin in units of the model's dtype at the scores' magnitude (``unit``)
 
 
 @dataclass
@@ -45,6 +62,8 @@ class VerifyReport:
     exact: int
     skipped: int  # error rows
     tolerance: float
+    units: float = DEFAULT_UNITS
+    dtype: str = "float32"
     mismatches: list[Mismatch] = field(default_factory=list)
 
     @property
@@ -66,8 +85,10 @@ def _model_spec(meta: dict, key: str) -> str | None:
 
 
 def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-               device: str = "auto", dtype: str | None = None, progress=None) -> VerifyReport:
-    """Re-decode ``sample`` rows (all when None) of the completions file at ``path``."""
+               device: str = "auto", dtype: str | None = None, progress=None,
+               units: float = DEFAULT_UNITS) -> VerifyReport:
+    """Re-decode ``sample`` rows (all when None) of the completions file at ``path``, in the dtype the run used
+    (its metadata), unless ``dtype`` says otherwise."""
     if Path(path).suffix.lower() in JSONL_SUFFIXES:
         raise InputError(f"{path}: JSON lines; `verify` checks the Parquet completions file `generate` writes "
                          f"(an OpenAI Batch output holds no token ids: to verify a run, write OUT as .parquet)")
@@ -88,7 +109,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     prompt_column = meta.get("prompt_column", "prompt")
     if prompt_column not in table.column_names:
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
-    report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance)
+    report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,
+                          dtype=str(model.dtype).removeprefix("torch."))
     for i in candidates:
         r = rows[i]
         try:
@@ -102,7 +124,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         mask = _mask_for(meta, r, tokenizer, eos, model.config.vocab_size, len(prompt_ids))
         ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise, mask)
         report.checked += 1
-        mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance)
+        mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance, units, model.dtype)
         if mismatch is None:
             report.exact += 1
         else:
@@ -217,7 +239,7 @@ def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
 
 
 def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,
-             tolerance: float) -> Mismatch | None:
+             tolerance: float, units: float = DEFAULT_UNITS, dtype: torch.dtype = torch.float32) -> Mismatch | None:
     if finish_reason == "stop_string" and ref[: len(run)] == run:
         return None  # the run cut at a stop string; the reference does not know about stop strings
     if run == ref:
@@ -225,8 +247,11 @@ def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list
     j = next((j for j, (a, b) in enumerate(zip(run, ref)) if a != b), min(len(run), len(ref)))
     run_tok = run[j] if j < len(run) else None
     ref_tok = ref[j] if j < len(ref) else None
-    margin = None
+    margin = in_units = None
     if run_tok is not None and ref_tok is not None and j < len(logits):
-        step = logits[j].float()
-        margin = float(step[ref_tok] - step[run_tok])
-    return Mismatch(row, row_id, j, run_tok, ref_tok, margin, near_tie=margin is not None and margin < tolerance)
+        step = logits[j].double()
+        own, other = float(step[ref_tok]), float(step[run_tok])
+        margin = own - other
+        in_units = margin / unit(dtype, max(abs(own), abs(other)))
+    near_tie = margin is not None and (margin < tolerance or in_units <= units)
+    return Mismatch(row, row_id, j, run_tok, ref_tok, margin, near_tie=near_tie, units=in_units)

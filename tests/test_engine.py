@@ -393,3 +393,37 @@ def test_exspec_default_policy_runs_same_length_groups_without_moving_kv(target,
     hit = len(same) / len(rounds)
     assert hit > 0.3, hit  # a draft that accepts everything keeps rows in step: groups stay whole
     assert any(s.batch_size == 4 and s.kv_moved == 0 for s in same)
+
+
+def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
+    from batchspec_cli.engine import prefill_chunks
+
+    for n_rows, columns, most in [(5, 3, 7), (3, 20, 7), (1, 1, 4096), (9, 4096, 4096), (4, 5, 20)]:
+        chunks = list(prefill_chunks(list(range(n_rows)), columns, most))
+        covered = Counter((row, col) for rows, start, stop in chunks for row in rows for col in range(start, stop))
+        assert covered == Counter((r, c) for r in range(n_rows) for c in range(columns))  # each exactly once
+        assert all(len(rows) * (stop - start) <= max(most, 1) for rows, start, stop in chunks)
+        for rows, start, stop in chunks:  # a row's columns come in order: each chunk attends to those before it
+            assert all(c[0] != rows or c[2] <= start for c in chunks[: chunks.index((rows, start, stop))]
+                       if c[0] == rows)
+
+
+@pytest.mark.parametrize("mode", ["ar", "exspec", "auto"])
+def test_prefill_in_chunks_of_rows_and_of_columns_equals_greedy(monkeypatch, target, drafts, prompts, eos_ids,
+                                                                references, mode):
+    """A budget of 7 tokens a forward: rows of 24-column prompts are prefilled alone, 7 columns at a time."""
+    from batchspec_cli import engine
+
+    monkeypatch.setattr(engine, "PREFILL_TOKENS", 7)
+    chunks, real = [], engine.prefill_chunks
+
+    def recorded(*args):
+        chunks.extend(real(*args))
+        return list(real(*args))
+
+    monkeypatch.setattr(engine, "prefill_chunks", recorded)
+    draft = None if mode == "ar" else drafts["perturbed"]
+    results, stats = run_engine(target, draft, prompts, eos_ids, mode=mode, batch_size=5, k=3)
+    assert_equal_to_reference(results, references)
+    assert_stats_consistent(results, stats)
+    assert any(start > 0 for _, start, _ in chunks) and all(len(rows) * (stop - start) <= 7 for rows, start, stop in chunks)

@@ -53,6 +53,25 @@ def test_logits_match_the_stock_model(min_rows, batch, length):
     assert torch.allclose(got, expected, rtol=0, atol=1e-5), float((got - expected).abs().max())
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, kernels.MAX_ROWS_BF16 + 1])
+@torch.no_grad()
+def test_bfloat16_layers_pack_and_round_as_the_stock_bfloat16_product(rows):
+    """A bfloat16 layer packs from one row up (AMX where the CPU has it); its output is the float32 product of the
+    same bfloat16 numbers, rounded once to bfloat16, as the stock bfloat16 path computes it: within one bfloat16
+    unit of the exact product, whichever path ran."""
+    linear = torch.nn.Linear(96, 40, bias=True, dtype=torch.bfloat16).requires_grad_(False)
+    packed = kernels.PackedLinear(linear)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    exact = torch.nn.functional.linear(x.double(), linear.weight.double(), linear.bias.double())
+    got = packed(x)
+    assert got.dtype == torch.bfloat16
+    unit = torch.finfo(torch.bfloat16).eps * exact.abs().clamp(min=1e-3)  # one bfloat16 unit at each magnitude
+    assert bool(((got.double() - exact).abs() <= unit).all())
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.bfloat16)
+    assert kernels.packed_layers(kernels.prepack(model)) == sum(
+        isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
+
+
 def test_deepcopy_of_a_packed_model_is_packed_and_equal():
     packed = packed_copy(tiny())
     again = copy.deepcopy(packed)

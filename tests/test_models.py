@@ -70,10 +70,21 @@ def test_resolve_device(monkeypatch):
         resolve_device("cuda:2")
 
 
-def test_resolve_dtype():
+def test_resolve_dtype(monkeypatch):
     assert resolve_dtype("bfloat16", CPU, None) is torch.bfloat16
     assert resolve_dtype("float64", CUDA, torch.bfloat16) is torch.float64
-    assert resolve_dtype("auto", CPU, torch.bfloat16) is torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert models.choose_dtype("auto", CPU, torch.bfloat16) == (torch.float32,
+                                                                "auto: this CPU has no native bfloat16 units")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert models.choose_dtype("auto", CPU, torch.float32) == (
+        torch.bfloat16, "auto: this CPU computes bfloat16 natively (AVX512-BF16)")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert models.choose_dtype("auto", CPU, None)[1].endswith("(AMX-BF16)")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", None)  # a torch that cannot tell
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    assert resolve_dtype("auto", CPU, None) is torch.float32
     assert resolve_dtype("auto", CUDA, torch.bfloat16) is torch.bfloat16  # never fp16 for a bf16 model
     assert resolve_dtype("auto", CUDA, torch.float16) is torch.float16
     assert resolve_dtype("auto", CUDA, None) is torch.float32

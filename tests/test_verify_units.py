@@ -1,0 +1,67 @@
+"""`batchspec verify` judges a near-tie in the run's dtype's own units: a correct bfloat16 run passes its audit, and a
+changed token does not."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batchspec_cli import verify
+from batchspec_cli.cli import app
+from batchspec_cli.inputs import read_run_metadata
+from conftest import save_target_and_draft_dirs
+from test_cli import PROMPTS, write_jsonl
+
+runner = CliRunner()
+
+
+def test_one_unit_is_the_spacing_of_the_dtype_at_that_magnitude():
+    assert verify.unit(torch.bfloat16, 20.0) == 0.125  # 20 = 10100b; bfloat16 keeps 8 significant bits
+    assert float(torch.tensor(20.0 + 0.0626).bfloat16()) == 20.125  # past half a unit: the next bfloat16 number
+    assert float(torch.tensor(20.0 + 0.0624).bfloat16()) == 20.0
+    assert verify.unit(torch.bfloat16, -20.0) == verify.unit(torch.bfloat16, 16.0) == 0.125
+    assert verify.unit(torch.float32, 20.0) == 2.0 ** -19
+    assert verify.unit(torch.float16, 1.0) == 2.0 ** -10
+    assert verify.unit(torch.float64, 0.0) > 0  # no log of zero
+
+
+def test_a_margin_is_a_near_tie_within_the_units_or_the_absolute_floor():
+    logits = torch.zeros(1, 5, dtype=torch.float64)
+    logits[0, 1], logits[0, 2] = 20.25, 20.0  # the reference's own token 1 leads the run's 2 by 2 bfloat16 units
+    close = verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 4, torch.bfloat16)
+    assert close.near_tie and close.units == 2.0 and close.margin == 0.25
+    assert not verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 1, torch.bfloat16).near_tie
+    assert not verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 4, torch.float32).near_tie
+    logits[0, 1] = 20.0005  # under the absolute floor whatever the dtype
+    assert verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 0, torch.float32).near_tie
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return save_target_and_draft_dirs(tmp_path_factory.mktemp("verify_models"))
+
+
+@pytest.mark.parametrize("mode", ["ar", "exspec"])
+def test_a_bfloat16_run_passes_its_audit_and_a_changed_token_does_not(tmp_path, model_dirs, mode):
+    target, draft = model_dirs
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    out = tmp_path / "out.parquet"
+    result = runner.invoke(app, ["generate", str(inp), str(out), "--target", target, "--max-new-tokens", "12",
+                                 "--quiet", "--dtype", "bfloat16", "--batch-size", "4", "--mode", mode,
+                                 *(["--draft", draft] if mode != "ar" else [])])
+    assert result.exit_code == 0, result.output
+    meta = read_run_metadata(out)
+    assert meta["dtype"] == "bfloat16" and meta["dtype_reason"] == "asked for (--dtype)"
+    audit = runner.invoke(app, ["verify", str(out)])
+    assert audit.exit_code == 0 and "0 unexplained" in audit.output and "bfloat16 units" in audit.output, audit.output
+    table = pq.read_table(out)
+    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
+    ids[1][0] = (ids[1][0] + 13) % 100  # a token the reference did not choose
+    column = table.schema.get_field_index("completion_token_ids")
+    tampered = table.set_column(column, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
+    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+    audit = runner.invoke(app, ["verify", str(out)])
+    assert audit.exit_code == 1 and "1 unexplained" in audit.output, audit.output
