@@ -18,8 +18,8 @@ from pathlib import Path
 from . import constraints
 from . import drafters
 from . import models
-from .config import GenerateConfig
-from .engine import Engine, EngineConfig, ModelHandle
+from .config import AUTO, GenerateConfig
+from .engine import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
 from .stops import StopStrings
 
 PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
@@ -88,7 +88,9 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     """The engine of one job for a loaded target and a draft loaded on first use."""
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=cfg.batch_size, window=cfg.window,
+    auto_width = cfg.batch_size == AUTO
+    econf = EngineConfig(mode=mode, k=cfg.k, batch_size=AUTO_WIDTHS[-1] if auto_width else cfg.batch_size,
+                         auto_width=auto_width, window=cfg.window,
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings

@@ -41,10 +41,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__, interrupts  # from importlib.metadata; interrupts imports nothing heavy
 from .checkpoint import CheckpointError
-from .config import DEFAULT, GenerateConfig, UsageError, os_error_message
+from .config import DEFAULT, GenerateConfig, UsageError, os_error_message, parse_batch_size
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
-from .events import NonFiniteLogits, RowResult, StepStats
+from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
 from .files import check_distinct, naming
 from .inputs import TEXT_COLUMNS, read_input
 from .interrupts import StopNow
@@ -92,6 +92,13 @@ def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
     return typer.Exit(code=code)
 
 
+def _batch_size(value: str) -> int | str:
+    try:
+        return parse_batch_size(value)
+    except UsageError as exc:
+        raise fail(str(exc)) from None
+
+
 @app.command()
 def generate(
     input: Annotated[Path, typer.Argument(help="Prompts: a .jsonl or .parquet file, an OpenAI batch .jsonl, a "
@@ -112,7 +119,9 @@ def generate(
                                        "ar")] = DEFAULT.mode,
     draft_tokens: Annotated[int, typer.Option("--draft-tokens", "-k", help="Draft tokens per round (auto: the "
                                               "most).")] = DEFAULT.k,
-    batch_size: Annotated[int, typer.Option("--batch-size", "-b")] = DEFAULT.batch_size,
+    batch_size: Annotated[str, typer.Option("--batch-size", "-b", help="Rows a step runs at most, or auto: the "
+                                            "width measured fastest on this machine, within the KV memory "
+                                            "budget.")] = str(DEFAULT.batch_size),
     window: Annotated[Optional[int], typer.Option(help="EXSPEC pool size (default 4 x batch size).")] = DEFAULT.window,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = DEFAULT.max_new_tokens,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
@@ -207,7 +216,7 @@ def generate(
         prompt_column=prompt_column, id_column=id_column,
         dtype=dtype, logprobs=logprobs, logprobs_column=logprobs_column, logprobs_mode=logprobs_mode,
         json_schema=json_schema, regex=regex, choice=tuple(choice or ()) or None, json=json,
-        response_format_column=response_format_column, batch_size=batch_size, window=window, device=device, stats=stats, bucket_width=bucket_width,
+        response_format_column=response_format_column, batch_size=_batch_size(batch_size), window=window, device=device, stats=stats, bucket_width=bucket_width,
         threads=threads, kernels=kernels, ray=ray, ray_address=ray_address, ray_workers=ray_workers,
         ray_block_rows=ray_block_rows, overwrite=overwrite, restart=restart, quiet=quiet,
         checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
@@ -339,7 +348,8 @@ class ProgressView:
                             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=out,
                             disable=quiet, transient=False)
         self.task = None
-        self.handlers = {Started: self.started_job, RowResult: self.row, StepStats: self.step}
+        self.handlers = {Started: self.started_job, RowResult: self.row, StepStats: self.step,
+                         WidthChosen: self.width}
 
     def started_job(self, event: Started) -> None:
         if event.dtype and not self.bar.disable:
@@ -354,6 +364,10 @@ class ProgressView:
 
     def row(self, event: RowResult) -> None:
         self.bar.advance(self.task)
+
+    def width(self, event: WidthChosen) -> None:
+        if not self.bar.disable:
+            self.out.print(f"batch size {event.width}{_measured(event)}", highlight=False)
 
     def step(self, event: StepStats) -> None:
         self.tokens += event.tokens_emitted
@@ -374,7 +388,7 @@ class LogView:
         self.job, self.log = job, log
         self.worker: str | None = None
         self.handlers = {Started: self.started_job, RowResult: self.row, WorkerBlockDone: self.block,
-                         BucketDone: self.bucket}
+                         BucketDone: self.bucket, WidthChosen: self.width}
 
     def started_job(self, event: Started) -> None:
         cfg = self.job.cfg
@@ -389,6 +403,10 @@ class LogView:
             self.log.write("row_error", row=event.row, id=event.id, error=event.error,
                            **({"worker": self.worker} if self.worker else {}))
 
+    def width(self, event: WidthChosen) -> None:
+        self.log.write("batch_size", batch_size=event.width, stopped=event.stopped,
+                       tokens_per_s={str(w): round(r, 1) for w, r in event.rates.items()})
+
     def block(self, event: WorkerBlockDone) -> None:
         self.worker = event.worker
         self.log.write("block_done", block=event.block, bucket=event.bucket, rows=event.rows, errors=event.errors,
@@ -396,6 +414,14 @@ class LogView:
 
     def bucket(self, event: BucketDone) -> None:
         self.log.write("bucket_done", bucket=event.bucket, rows=event.rows, errors=event.errors)
+
+
+def _measured(event: WidthChosen) -> str:
+    """What ``--batch-size auto`` measured, for the start of a run."""
+    if not event.rates:
+        return f" ({event.stopped})"
+    rates = ", ".join(f"{w}: {r:.0f}" for w, r in sorted(event.rates.items()))
+    return f" (auto: plain-step tokens/s by width {rates}; stopped at {event.stopped})"
 
 
 def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None) -> int:

@@ -100,7 +100,7 @@ class GenerateConfig:
     logprobs_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # per-row N
     logprobs_mode: str = setting("raw", fingerprint=True, metadata=True, recent=True)  # raw | processed (logprobs.py)
     # How the job runs.
-    batch_size: int = setting(8, metadata=True)
+    batch_size: int | str = setting("auto", metadata=True)  # rows a step runs at most, or "auto" (measured: engine)
     window: int | None = setting(None, metadata=True)  # default 4 x batch size
     device: str = setting("auto", metadata=True)
     stats: Path | None = None
@@ -125,6 +125,30 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
         self.choice = tuple(self.choice) if self.choice else None
+
+
+AUTO = "auto"
+AUTO_BUCKET_ROWS = 8  # --batch-size auto: the rows a length bucket holds at least (a fixed size: that size)
+AUTO_BLOCK_WIDTH = 64  # --batch-size auto on Ray: a block holds a pool of this width (4 x 64 rows)
+
+
+def parse_batch_size(value: str | int) -> int | str:
+    """``--batch-size``: a positive integer, or ``auto``; UsageError otherwise."""
+    text = str(value).strip().lower()
+    if text == AUTO:
+        return AUTO
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise UsageError(f"--batch-size must be a positive integer or auto, got {value!r}")
+    return size
+
+
+def bucket_rows(cfg: "GenerateConfig") -> int:
+    """The rows a length bucket holds at least: the batch size, or ``AUTO_BUCKET_ROWS`` for an automatic one."""
+    return AUTO_BUCKET_ROWS if cfg.batch_size == AUTO else cfg.batch_size
 
 
 DEFAULT = GenerateConfig(input=Path(), output=Path())
@@ -181,7 +205,8 @@ FINGERPRINT_LABELS = {s.name: s.label for s in settings() if s.fingerprint} | {"
 
 def validate(cfg: GenerateConfig) -> None:
     checks = [
-        (cfg.batch_size >= 1, f"--batch-size must be a positive integer, got {cfg.batch_size}"),
+        (cfg.batch_size == AUTO or (isinstance(cfg.batch_size, int) and cfg.batch_size >= 1),
+         f"--batch-size must be a positive integer or auto, got {cfg.batch_size}"),
         (cfg.max_new_tokens >= 1, f"--max-new-tokens must be a positive integer, got {cfg.max_new_tokens}"),
         (cfg.max_prompt_tokens is None or cfg.max_prompt_tokens >= 1,
          f"--max-prompt-tokens must be a positive integer, got {cfg.max_prompt_tokens}"),

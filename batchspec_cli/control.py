@@ -644,3 +644,28 @@ class Auto:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
             self.drafting += DRAFTING_EMA * ((report.choice.k > 0) - self.drafting)
         return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s)
+
+
+# -- the batch width (--batch-size auto) ------------------------------------------------------------------------
+
+WIDTH_GAIN = 1.05  # a wider batch is kept only for at least 5 % more tokens per second
+
+
+def wider_pays(rates: dict[int, float], gain: float = WIDTH_GAIN) -> bool:
+    """Whether to measure the next wider batch: the widest measured so far beat every narrower one by ``gain``.
+
+    rates: tokens per second of a plain step, by batch width."""
+    widths = sorted(rates)
+    if len(widths) < 2:
+        return True
+    *narrower, widest = widths
+    return rates[widest] >= gain * max(rates[w] for w in narrower)
+
+
+def choose_width(rates: dict[int, float], gain: float = WIDTH_GAIN) -> int:
+    """The narrowest width within ``gain`` of the best measured rate (a narrower batch holds less KV and leaves a
+    shorter tail of part-empty steps for the same throughput)."""
+    if not rates:
+        raise ValueError("no width was measured")
+    best = max(rates.values())
+    return min(w for w, rate in rates.items() if rate * gain >= best)

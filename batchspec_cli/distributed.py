@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .config import GenerateConfig
+from .config import AUTO, AUTO_BLOCK_WIDTH, GenerateConfig
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
 from .assembly import assemble
@@ -170,7 +170,8 @@ class RayExecutor:
         self.job, self.rcfg = job, rcfg
         cfg = job.cfg
         self.threads = cfg.threads or 1
-        self.block_rows = rcfg.block_rows or pool_window(cfg.batch_size, cfg.window)
+        width = AUTO_BLOCK_WIDTH if cfg.batch_size == AUTO else cfg.batch_size
+        self.block_rows = rcfg.block_rows or pool_window(width, cfg.window)
         self.spec = WorkerSpec(cfg=cfg, mode=job.plan.mode, draft_spec=job.plan.draft_spec,
                                lookup_names=list(job.plan.lookup_names), threads=self.threads)
         self.owns_ray = False

@@ -58,9 +58,10 @@ from .align import CacheFull, SlotCache, device_tensor, selection
 from .attention import for_run, group_forward
 from .config import DEFAULT, MODES
 from .constraints import Guide
-from .control import Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport
+from .control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
+                      wider_pays)
 from .drafters import ModelDrafter, Proposal, Rows
-from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats
+from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats, WidthChosen
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
@@ -85,6 +86,10 @@ class EngineConfig:
     trim: bool = True  # exspec: a group's padding it no longer needs is dropped in its move (see _target_end)
     pad_id: int = 0
     logprobs_mode: str = DEFAULT.logprobs_mode  # the distribution of the rows' log-probabilities (logprobs.py)
+    # --batch-size auto: the run measures plain steps at growing widths (AUTO_WIDTHS, up to batch_size) and keeps the
+    # best (control.choose_width), within kv_memory bytes of KV (None: KV_MEMORY_SHARE of the memory free then).
+    auto_width: bool = False
+    kv_memory: int | None = None
 
 
 def pool_window(batch_size: int, window: int | None = None) -> int:
@@ -163,6 +168,8 @@ class RoundOutcome:
     ended: float  # perf_counter at the round's end
 
 
+AUTO_WIDTHS = (8, 16, 32, 64, 128, 256)  # --batch-size auto measures these widths, narrowest first
+KV_MEMORY_SHARE = 0.25  # --batch-size auto: the rows' KV may take this share of the memory free when the run starts
 PREFILL_TOKENS = 4096  # columns x rows of one prefill forward: a wide batch of long prompts is not one giant forward
 
 
@@ -204,17 +211,14 @@ class Engine:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
         self.target, self.cfg = target, cfg
         self.max_k = 0 if plain or (not drafts and not self.lookups) else cfg.k
-        # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
-        window = pool_window(cfg.batch_size, cfg.window) if self.max_k else cfg.batch_size
-        self.strategy = (Pool(window, cfg.batch_size, cfg.min_group, cfg.trim)
-                         if cfg.mode in ("exspec", "auto") else StaticBatch(cfg.batch_size))
+        self._set_width(cfg.batch_size)
+        self.width_rates: dict[int, float] | None = None  # --batch-size auto: tokens/s by width, once measured
         self.device = next(target.model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=self.device)
         self.eos_set = set(eos_ids)
         self.stop_checker = stop_checker
         self.context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
         self.vocab = target.model.get_output_embeddings().weight.shape[0]
-        self.n_slots = self.strategy.n_slots
         # The constrained rows' matchers (constraints.py); without a tokenizer a constrained row is an error row.
         self.guide = guide if guide is not None else Guide(None, self.vocab)
         for drafter in self.lookups:
@@ -233,10 +237,15 @@ class Engine:
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
         """Decode every request; the models run the folded GQA attention and a contiguous output head
         (``attention.for_run``) for the run only.
-        Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead."""
-        self._reset(Admission(requests, self.cfg.batch_size))
+        Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead. With
+        ``auto_width`` the first run measures the batch width first (``WidthChosen``)."""
+        admission = Admission(requests, self.batch_size)
         with self._models:
             self._models.enter_context(for_run(*(h.model for h in (self.target, self.draft) if h is not None)))
+            if self.cfg.auto_width and self.width_rates is None:
+                yield self._measure_width(admission)
+            admission.batch_size = self.batch_size
+            self._reset(admission)
             while True:
                 yield from self._admit_from()
                 if not self.table.live:
@@ -269,10 +278,87 @@ class Engine:
         self.table, self.state = self.pool.table, self.pool.state  # the slots' geometry; the rows' state
         self.model_drafter = None  # the run's drafter, on the run's draft cache: built at its first use
         self.step_no = 0
-        self.max_group = self.cfg.batch_size  # halved on out-of-memory
+        self.max_group = self.batch_size  # halved on out-of-memory
         self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
         self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
         self.guide.clear()
+
+    def _set_width(self, width: int) -> None:
+        """The batch: at most ``width`` rows a step, and the slots that holds (a pool of ``window`` rows)."""
+        cfg = self.cfg
+        self.batch_size = width
+        # Without a drafter the pool can never speculate: rows in step need no grouping, so it holds one batch.
+        window = pool_window(width, cfg.window) if self.max_k else width
+        self.strategy = (Pool(window, width, cfg.min_group, cfg.trim)
+                         if cfg.mode in ("exspec", "auto") else StaticBatch(width))
+        self.n_slots = self.strategy.n_slots
+
+    # ------------------------------------------------------------------ the batch width (--batch-size auto)
+    @torch.no_grad()
+    def _measure_width(self, admission: Admission) -> WidthChosen:
+        """Time plain steps at growing widths on the job's first context and keep the best (``control``).
+
+        Each width runs bare one-token forwards of the target over a throwaway cache of that many rows and the
+        context of the job's first row plus half its token limit (the timing does not depend on the cache's
+        values). Widths stop at the job's rows, at the KV memory budget (the rows, or the pool's window where
+        the engine can speculate, at the first row's full length) and at the first width that does not pay.
+        """
+        first = admission.peek()
+        rows = admission.total if admission.total is not None else self.cfg.batch_size
+        widths = [w for w in AUTO_WIDTHS if w <= self.cfg.batch_size]
+        widths = [w for w in widths if w < rows] + [w for w in widths if w >= rows][:1]
+        if first is None or len(widths) <= 1:
+            self.width_rates = {}
+            self._set_width(widths[0] if widths else self.cfg.batch_size)
+            return WidthChosen(self.batch_size, {}, "the job has no more rows than the narrowest width")
+        context = max(first.pad_to or 0, len(first.prompt_ids)) + first.max_new_tokens // 2
+        longest = max(first.pad_to or 0, len(first.prompt_ids)) + first.max_new_tokens + self.max_k + 1
+        budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0)) or None
+        per_row = pool_window(1, None) if self.max_k else 1  # live rows per batch row once a pool fills
+        rates, stopped = {}, "a wider batch did not pay"
+        for width in widths:
+            try:
+                seconds, column_bytes = self._bare_step(width, context)
+            except torch.OutOfMemoryError:
+                self._empty_cache()
+                stopped = "out of memory"
+                break
+            rates[width] = width / seconds
+            wider = next((w for w in widths if w > width), None)
+            if wider is None:
+                stopped = "the widest width" if width < rows else "the job's rows"
+                break
+            if budget is not None and wider * per_row * longest * column_bytes > budget:
+                stopped = f"the KV memory budget ({budget / 2**30:.1f} GiB)"
+                break
+            if not wider_pays(rates):
+                break
+        self.width_rates = rates
+        self._set_width(choose_width(rates))
+        return WidthChosen(self.batch_size, rates, stopped)
+
+    def _bare_step(self, width: int, context: int) -> tuple[float, int]:
+        """(seconds, KV bytes per row and column) of a one-token target forward of ``width`` rows at ``context``."""
+        cache = SlotCache(width, context + 1)
+        tokens = torch.full((width, 1), self.cfg.pad_id, dtype=torch.long, device=self.device)
+        pad = torch.zeros(width, dtype=torch.long, device=self.device)
+        times = []
+        for _ in range(3):  # the first allocates the cache and builds the kernels of this size
+            self._sync()
+            began = time.perf_counter()
+            group_forward(self.target.model, cache, self.target.cache_kwarg, slice(0, width), tokens, pad, context,
+                          logits_to_keep=1)
+            self._sync()
+            times.append(time.perf_counter() - began)
+        column_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values) // (width * (context + 1))
+        return min(times[1:]), column_bytes
+
+    def _free_memory(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        from .kernels import memory_available
+
+        return memory_available()
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:
@@ -303,7 +389,7 @@ class Engine:
         table = self.table
         free = table.free_slots()
         if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, kept full
-            free = free[: max(0, self.cfg.batch_size - len(table.live))]
+            free = free[: max(0, self.batch_size - len(table.live))]
         elif table.live and len(free) < min(self.strategy.admit_at, self.n_slots):
             return
         for chunk in self.admission.chunks(free, lambda slot: not table.is_live(slot), self._check):

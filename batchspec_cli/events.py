@@ -88,6 +88,15 @@ class RowResult:
 
 
 @dataclass
+class WidthChosen:
+    """``--batch-size auto``: the batch width a run measured and chose, before its first row."""
+
+    width: int  # the rows a step runs at most
+    rates: dict[int, float]  # tokens per second of a plain step, by width (empty: nothing to measure)
+    stopped: str  # why no wider width was measured
+
+
+@dataclass
 class PolicyTrace:
     """What the policy (``control``) expected and chose for one round: its trace, kept out of the step's facts so
     that a statistic is never read from the decision it checks. Zeros and "" under a fixed k and for prefills."""

@@ -42,7 +42,7 @@ from . import openai_batch
 from . import outputs
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
-from .config import GenerateConfig, UsageError, os_error_message, settings_record, validate
+from .config import AUTO, GenerateConfig, UsageError, os_error_message, settings_record, validate
 from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
@@ -122,11 +122,14 @@ class StepNumbering:
 def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
     """What the output files record of the job (their Parquet schema metadata)."""
     model = plan.target.model
+    measured = cfg.batch_size == AUTO and plan.engine is not None and plan.engine.width_rates is not None
+    batch = plan.engine.batch_size if measured else cfg.batch_size  # auto: the width this process measured
     return {
         "batchspec_version": __version__, "torch_version": torch.__version__,
         "transformers_version": _transformers_version(),
         **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft.name if plan.draft else None,
-                          mode=plan.mode, window=pool_window(cfg.batch_size, cfg.window), kernels=plan.kernels,
+                          mode=plan.mode, window=pool_window(batch, cfg.window) if batch != AUTO else None,
+                          batch_size=batch, kernels=plan.kernels,
                           dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
         "dtype_reason": plan.target.dtype_reason, "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
         "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),

@@ -36,7 +36,8 @@ from . import openai_batch
 from . import sources
 from .assembly import LazyDraft, assemble
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import FINGERPRINT_LABELS, GenerateConfig, UsageError, settings_record, tokenizer_settings
+from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, bucket_rows, settings_record,
+                     tokenizer_settings)
 from .constraints import Constraint
 from .engine import Engine
 from .errors import InputError
@@ -340,7 +341,7 @@ def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
         plan.inp, plan.tokenizer, cfg.chat, cfg.system, errors, most_tokens, what, cfg.allow_special_tokens))
     with naming(work.buckets):
         manifest = write_buckets(work.buckets, chunks, tokenizer_settings(cfg, plan.target_name),
-                                 width=cfg.bucket_width, min_rows=cfg.batch_size, overwrite=True)
+                                 width=cfg.bucket_width, min_rows=bucket_rows(cfg), overwrite=True)
     failed = tuple(RowResult(row, plan.inp.ids[row], [], "error", error=error)
                    for row, error in sorted(errors.items()))
     return dataclasses.replace(plan, bucket_dir=work.buckets, manifest=manifest, announce=failed)

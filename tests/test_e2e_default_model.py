@@ -22,7 +22,7 @@ def test_default_model_eqspec_and_exspec_equal_ar_and_verify(tmp_path):
     torch.set_num_threads(1)  # 2 threads thrash when the cores are shared
     load_model(None, quiet=True)  # converts and caches the GGUF once
     draft = default_draft_path() or cache_dir() / "smollm2-135m-instruct"  # the target itself until a draft ships
-    common = ["--limit", "3", "--max-new-tokens", "16", "--quiet", "--batch-size", "4", "-k", "3"]
+    common = ["--limit", "3", "--max-new-tokens", "16", "--quiet", "--batch-size", "4", "-k", "3", "--dtype", "float32"]
     outputs = {}
     for mode in ("ar", "eqspec", "exspec"):
         out = tmp_path / f"{mode}.parquet"
@@ -39,14 +39,14 @@ def test_default_model_eqspec_and_exspec_equal_ar_and_verify(tmp_path):
 
 
 def test_default_mode_on_24_sample_prompts_equals_per_prompt_decoding_at_two_batch_sizes(tmp_path):
-    """`auto` with the shipped draft and `suffix` (the defaults), 24 prompts x 48 tokens, batch 4 and 16:
+    """`auto` with the shipped draft and `suffix` (the defaults), float32, 24 prompts x 48 tokens, batch 4 and 16:
     `batchspec verify` re-decodes every row alone with plain `generate` and finds no unexplained mismatch."""
     load_model(None, quiet=True)
     outputs = {}
     for batch_size in (4, 16):
         out = tmp_path / f"b{batch_size}.parquet"
         result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "24", "--max-new-tokens", "48",
-                                     "--batch-size", str(batch_size), "--quiet"])
+                                     "--batch-size", str(batch_size), "--quiet", "--dtype", "float32"])
         assert result.exit_code == 0, result.output
         outputs[batch_size] = pq.read_table(out).to_pylist()
         verified = runner.invoke(app, ["verify", str(out)])
@@ -57,14 +57,33 @@ def test_default_mode_on_24_sample_prompts_equals_per_prompt_decoding_at_two_bat
     assert sum(len(r["completion_token_ids"]) for r in outputs[4]) > 24 * 20  # real completions, not empty rows
 
 
+def test_the_default_in_bfloat16_passes_its_audit_and_gives_the_same_rows_run_after_run(tmp_path):
+    """No flags (bfloat16 where the CPU computes it natively, the batch measured), 16 prompts x 32 tokens, twice:
+    `batchspec verify` finds no unexplained mismatch in the dtype's own units, and both runs wrote the same rows."""
+    torch.set_num_threads(1)
+    load_model(None, quiet=True)
+    rows = []
+    for run in (1, 2):
+        out = tmp_path / f"run{run}.parquet"
+        result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "16", "--max-new-tokens", "32",
+                                     "--quiet"])
+        assert result.exit_code == 0, result.output
+        rows.append([r["completion_token_ids"] for r in pq.read_table(out).to_pylist()])
+    verified = runner.invoke(app, ["verify", str(tmp_path / "run1.parquet")])
+    assert verified.exit_code == 0 and "16 rows" in verified.output and "0 unexplained" in verified.output, \
+        verified.output
+    assert rows[0] == rows[1]
+    assert sum(map(len, rows[0])) > 16 * 10
+
+
 def test_logprobs_5_on_12_prompts_match_a_per_prompt_plain_forward_within_1e_4(tmp_path):
     """`--logprobs 5`, default mode and drafters: every token's log-probability and its top 5 equal those of one
     plain forward of the target over that prompt and completion alone (float32: within 1e-4)."""
     torch.set_num_threads(1)
-    loaded = load_model(None, quiet=True)
+    loaded = load_model(None, dtype="float32", quiet=True)
     out = tmp_path / "lp.parquet"
     result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "12", "--max-new-tokens", "32",
-                                 "--logprobs", "5", "--quiet"])
+                                 "--logprobs", "5", "--quiet", "--dtype", "float32"])
     assert result.exit_code == 0, result.output
     tok, model = loaded.tokenizer, loaded.model
     prompts = [json.loads(line)["prompt"] for line in SAMPLE.read_text().splitlines()[:12]]
@@ -111,7 +130,7 @@ def test_json_schema_rows_in_float32_equal_per_prompt_constrained_decoding_in_th
         out = tmp_path / f"{mode}{batch}.parquet"
         result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "6", "--max-new-tokens", "40",
                                      "--json-schema", str(schema), "--mode", mode, "--batch-size", str(batch),
-                                     "--quiet", *extra])
+                                     "--quiet", "--dtype", "float32", *extra])
         assert result.exit_code == 0, result.output
         verified = runner.invoke(app, ["verify", str(out)])
         assert verified.exit_code == 0 and "6 rows" in verified.output and "0 unexplained" in verified.output, \

@@ -112,7 +112,8 @@ def test_load_local_dir(tiny_model_dir):
     model = loaded.model
     assert loaded.name == str(tiny_model_dir)
     assert Path(loaded.source) == tiny_model_dir.resolve()
-    assert model.dtype == torch.float32 and not model.training
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert model.dtype == (torch.bfloat16 if native else torch.float32) and not model.training  # --dtype auto
     assert not any(p.requires_grad for p in model.parameters())
     assert len(loaded.tokenizer) == TINY_VOCAB_SIZE
     assert model.generation_config.pad_token_id == PAD_ID
