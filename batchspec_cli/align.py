@@ -303,6 +303,40 @@ class SlotTable:
         for s in slots:
             self.draft_end[s] = end - 2
 
+    def share_prompt(self, pairs: list[tuple[int, int]], prompt_len: list[int], draft: bool = False) -> int:
+        """Give rows just placed the prompt KV of a live row with the same prompt (``--n`` samples of one input
+        row) instead of a prefill: ``pairs`` (source slot, destination slot), ``prompt_len`` each pair's prompt
+        tokens; the target's cache, or the draft's (``draft``). A prompt's KV does not depend on the slot's
+        padding (positions count from the row's first real token), so the source's columns ``[pad, pad + n)``
+        go to the destination's ``[pad, pad + n)``, one gather and one scatter per layer: the target's first
+        ``prompt - 1`` tokens (what a prefill writes), the draft's as far as the source's draft cache covers
+        them, at most ``prompt - 2`` (the destination's draft end follows). Returns the KV entries (token x
+        layer) copied."""
+        cache = self.draft if draft else self.target
+        if not pairs or cache is None:
+            return 0
+        device = self.layout.tokens.device
+        src, dst = [s for s, _ in pairs], [d for _, d in pairs]
+        if draft:
+            lengths = [max(0, min(n - 2, self.draft_end[s] - self.pad[s])) for s, n in zip(src, prompt_len)]
+            for d, n in zip(dst, lengths):
+                self.draft_end[d] = self.pad[d] + n
+        else:
+            lengths = [max(0, n - 1) for n in prompt_len]
+        total = sum(lengths)
+        if cache.n_layers == 0 or total == 0:
+            return 0
+        lengths_t = device_tensor(lengths, device)
+        row = torch.repeat_interleave(torch.arange(len(pairs), device=device), lengths_t, output_size=total)
+        offset = torch.arange(total, device=device) - (torch.cumsum(lengths_t, 0) - lengths_t)[row]
+        src_col = device_tensor([self.pad[s] for s in src], device)[row] + offset
+        dst_col = device_tensor([self.pad[d] for d in dst], device)[row] + offset
+        src_row, dst_row = device_tensor(src, device)[row], device_tensor(dst, device)[row]
+        for buffers in (cache.keys, cache.values):
+            for layer in buffers:
+                layer[dst_row, :, dst_col] = _gather(layer, src_row, src_col)
+        return total * cache.n_layers
+
     def free(self, slot: int) -> None:
         self.live = [s for s in self.live if s != slot]
 

@@ -149,6 +149,11 @@ def generate(
     = DEFAULT.top_p_column,
     stop_column: Annotated[Optional[str], typer.Option("--stop-column", help="Per-row stop strings (a string or "
                                                        "a list of strings), besides --stop.")] = DEFAULT.stop_column,
+    n: Annotated[int, typer.Option("--n", help="Samples per input row (1-128): N adjacent output rows with a "
+                                   "`sample` column 0..N-1; sample 0 is the row --n 1 writes. Greedy rows are "
+                                   "decoded once and written N times.")] = DEFAULT.n,
+    n_column: Annotated[Optional[str], typer.Option("--n-column", help="Per-row --n from this input column "
+                                                    "(null: --n).")] = DEFAULT.n_column,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Store each completion token's "
                                                     "log-probability and the N most probable tokens (0-20; 0: the "
                                                     "token's own only) in a completion_logprobs column.")]
@@ -212,7 +217,7 @@ def generate(
         max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, temperature_column=temperature_column, seed_column=seed_column,
         max_new_tokens_column=max_new_tokens_column, top_p_column=top_p_column, stop_column=stop_column,
-        stop=tuple(stop or ()), chat=chat, system=system, allow_special_tokens=allow_special_tokens,
+        n=n, n_column=n_column, stop=tuple(stop or ()), chat=chat, system=system, allow_special_tokens=allow_special_tokens,
         prompt_column=prompt_column, id_column=id_column,
         dtype=dtype, logprobs=logprobs, logprobs_column=logprobs_column, logprobs_mode=logprobs_mode,
         json_schema=json_schema, regex=regex, choice=tuple(choice or ()) or None, json=json,
@@ -582,6 +587,10 @@ def stats_command(
     if overall.expected_gain is not None:
         console.print(f"auto: expected gain {overall.expected_gain:.2f}x, realised {overall.realised_gain:.2f}x "
                       f"(tokens per second over the modelled plain step's)", highlight=False)
+    if overall.reuse_share is not None:
+        console.print(f"prompt tokens: {overall.prefilled_tokens} prefilled, {overall.reused_tokens} reused from "
+                      f"another sample of their row (--n): reuse share {100 * overall.reuse_share:.1f} %",
+                      highlight=False)
     for arm, a in overall.arms.items():
         windows = ", ".join(f"{rate:.1f}" for rate in a.windows) or "none closed"
         console.print(f"auto arm {arm}: ran {a.seconds:.1f} s in {a.rounds} rounds; its windows measured "

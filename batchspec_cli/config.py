@@ -23,6 +23,7 @@ INPUT_FORMATS = ("auto", "table", "openai")  # table: rows with a prompt column;
 OUTPUT_FORMATS = ("auto", "parquet", "openai")
 LOGPROBS_MODES = ("raw", "processed")  # --logprobs-mode (logprobs.py)
 MAX_TOP_LOGPROBS = 20  # alternatives per token at most (as OpenAI's top_logprobs)
+MAX_N = 128  # --n: samples per input row at most (OpenAI's bound for n)
 
 
 class UsageError(Exception):
@@ -81,6 +82,9 @@ class GenerateConfig:
     top_p_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
     stop_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)  # string or list of them
     stop: tuple[str, ...] = setting((), fingerprint=True, metadata=True)
+    # Samples per input row (samples.py): N output rows each, sample j keyed by (seed, id, j); per-row from a column.
+    n: int = setting(1, fingerprint=True, metadata=True, recent=True)
+    n_column: str | None = setting(None, fingerprint=True, metadata=True, recent=True)
     chat: bool = setting(True, fingerprint=True, metadata=True, label="--chat/--no-chat")
     # A control token's string in a prompt's text becomes that control token (prompts.render_prompt).
     allow_special_tokens: bool = setting(False, fingerprint=True, metadata=True, recent=True)
@@ -227,6 +231,7 @@ def validate(cfg: GenerateConfig) -> None:
         (cfg.logprobs_mode in LOGPROBS_MODES, f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, "
                                         f"got {cfg.logprobs_mode!r}"),
         (cfg.top_k >= 0, f"--top-k must be >= 0, got {cfg.top_k}"),
+        (1 <= cfg.n <= MAX_N, f"--n must be between 1 and {MAX_N}, got {cfg.n}"),
         (0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
         (cfg.bucket_width is None or cfg.bucket_width >= 1, f"--bucket-width must be positive, got {cfg.bucket_width}"),
         (cfg.threads is None or cfg.threads >= 1, f"--threads must be a positive integer, got {cfg.threads}"),

@@ -413,7 +413,7 @@ class Engine:
                 yield error_row(req, "out of memory: no room for this row's KV cache")
             return
         self.admission.admitted(limits)
-        keys = [sampling.row_key(r.sampling.seed, r.id) for r in chunk]
+        keys = [sampling.row_key(r.sampling.seed, r.id, r.sample) for r in chunk]
         self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
         self.logprobs.admit(chunk)
         for drafter in self.lookups:
@@ -421,18 +421,55 @@ class Engine:
                 drafter.admit(req.row, req.prompt_ids)
 
         prefill_started = time.perf_counter()
-        errors = self._prefill(slots, end)
+        donors = self._donors(slots)  # samples of an input row whose prompt KV another slot holds or will
+        fresh = [s for s in slots if s not in donors]
+        errors = self._prefill(fresh, end) if fresh else []
+        lost = [s for s, d in donors.items() if not self.table.is_live(d)]  # a donor that did not fit was freed
+        if lost:
+            donors = {s: d for s, d in donors.items() if s not in lost}
+            errors += self._prefill(lost, end)
+            fresh += lost
+        copied = self._share_prompts(donors, draft=False)
         self._sync()
         self.since.admit_s += time.perf_counter() - prefill_started
         if self.has_draft and self.policy.wants_draft():
-            self._prefill_draft([s for s in slots if self.table.is_live(s)], end)
+            self._prefill_draft([s for s in fresh if self.table.is_live(s)], end)
+            copied += self._share_prompts(donors, draft=True)
+            lagging = [s for s in donors if self.table.is_live(s) and self.table.draft_end[s] < end - 2]
+            self._prefill_draft(lagging, end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
         pads = sum(self.table.pad[s] for s in slots)
+        prompt = {s: len(r.prompt_ids) for s, r in zip(slots, chunk)}
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=0,
-                        kv_gathered=0, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms)
+                        kv_gathered=copied, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms,
+                        prefilled_tokens=sum(prompt[s] for s in fresh),
+                        reused_tokens=sum(prompt[s] for s in donors))
         yield from errors
+
+    def _donors(self, slots: list[int]) -> dict[int, int]:
+        """The rows just placed in ``slots`` that need no prefill of their own (the ``--n`` samples of one input
+        row): slot -> the slot whose KV of the same prompt they copy, a live row with the same id and prompt ids,
+        or the first such row of ``slots`` (prefilled first)."""
+        rows, placed = self.state.rows, set(slots)
+        holders: dict[str, int] = {}
+        for s in self.table.live:
+            if s not in placed:
+                holders.setdefault(rows[s].id, s)
+        donors = {}
+        for s in slots:
+            holder = holders.setdefault(rows[s].id, s)
+            if holder != s and rows[holder].prompt_ids == rows[s].prompt_ids:
+                donors[s] = holder
+        return donors
+
+    @torch.no_grad()
+    def _share_prompts(self, donors: dict[int, int], draft: bool) -> int:
+        """Copy the donors' prompt KV (``_donors``) into their samples' slots, the target's or the draft's
+        (``SlotTable.share_prompt``); returns the KV entries copied."""
+        live = [(d, s) for s, d in donors.items() if self.table.is_live(s)]
+        return self.table.share_prompt(live, [len(self.state.rows[s].prompt_ids) for _, s in live], draft)
 
     @torch.no_grad()
     def _drafter(self) -> ModelDrafter:

@@ -54,6 +54,7 @@ class Request:
     logprobs: int | None = None  # None: none wanted; N >= 0: each token's log-probability and the top N (<= 20)
     stop: tuple[str, ...] = ()  # the row's own stop strings, in addition to the job's --stop
     constraint: "Constraint | None" = None  # the shape the completion must have (constraints.py); None: free text
+    sample: int = 0  # which of the input row's --n samples (its noise key: sampling.row_key(seed, id, sample))
 
 
 @dataclass
@@ -127,7 +128,7 @@ class StepStats:
     pad_before: int  # padding columns in the group's rectangle before the round
     pad_after: int  # ... and after commit/realignment
     kv_moved: int  # KV entries (token x layer, both models) copied by realignment
-    kv_gathered: int  # KV entries copied to assemble the group from the pool
+    kv_gathered: int  # KV entries copied to assemble the group from the pool (a prefill: its samples' prompt KV)
     draft_ms: float  # drafting (the draft model's forwards, its catch-up included; model-free lookups)
     verify_ms: float  # the target's forward over [last committed, drafts] (a prefill's whole time)
     realign_ms: float  # moving the group's rows into one rectangle when that realigned them
@@ -135,6 +136,8 @@ class StepStats:
     total_ms: float  # the whole round, its preparation included
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
+    prefilled_tokens: int = 0  # a prefill: the prompt tokens of its rows that the target prefilled
+    reused_tokens: int = 0  # a prefill: the prompt tokens of its rows whose KV was copied from another sample's (--n)
     trace: PolicyTrace = field(default_factory=PolicyTrace)  # the policy's trace of the round
 
     def record(self) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
@@ -49,6 +50,7 @@ from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
 from .inputs import StoredTable, id_array, row_value
 from .plan import JobPlan, plan_job, release_free_memory
+from .samples import SAMPLE_COLUMN
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
@@ -136,6 +138,7 @@ def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
         "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
         **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
         **({"constraint": {"kind": plan.constraint.kind, "text": plan.constraint.text}} if plan.constraint else {}),
+        **({"sample_column": SAMPLE_COLUMN} if plan.samples.written else {}),
     }
 
 
@@ -197,6 +200,8 @@ class Generation:
         self._steps = StepNumbering(last=plan.last_step)
         self._progress = BucketProgress()
         self._prompt_errors: list[RowResult] = []  # error rows found while feeding the engine
+        # a greedy row decoded once for several samples: output row decoded -> the output rows that copy it
+        self._copies: dict[int, list[int]] = {}
         self._threads_before = threads_before  # the process's thread count before --threads (restored by close)
 
     # ------------------------------------------------------------------ setup
@@ -245,8 +250,10 @@ class Generation:
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
-        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
-        cfg, plan = self.cfg, self.plan
+        """The samples still to generate, bucket by bucket, each input row's adjacent (one request per output row:
+        ``samples``); rows failing --max-prompt-tokens go to _prompt_errors. A greedy row's samples are equal: it
+        is decoded once, as its first unsaved sample, and written to the others (``_copies``)."""
+        cfg, plan, samples = self.cfg, self.plan, self.plan.samples
         temperature, seed, max_new, top_p, stops, logprobs, formats = (
             plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs",
                                                   "response_format"))
@@ -260,22 +267,32 @@ class Generation:
             rows = batch.column(ROW_COLUMN).to_pylist()
             ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
             for row, prompt in zip(rows, ids):
-                if row >= plan.total_rows:  # a bucket directory's row beyond --limit
+                if row >= plan.input_rows:  # a bucket directory's row beyond --limit
                     continue
-                if saved[row]:  # saved by an interrupted run (its drafters' lessons: preloads)
+                first = samples.first(row)
+                # saved by an interrupted run (its drafters' lessons: preloads)
+                outs = [out for out in range(first, first + samples.count(row)) if not saved[out]]
+                if not outs:
                     continue
-                self._progress.handed_out(row, bucket.index)
+                for out in outs:
+                    self._progress.handed_out(out, bucket.index)
                 if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
-                    self._prompt_errors.append(RowResult(
-                        row, plan.inp.ids[row], [], "error", prompt_tokens=len(prompt),
-                        error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}"))
+                    self._prompt_errors += [RowResult(
+                        out, plan.inp.ids[row], [], "error", prompt_tokens=len(prompt),
+                        error=f"prompt has {len(prompt)} tokens; --max-prompt-tokens is {cfg.max_prompt_tokens}")
+                        for out in outs]
                     continue
                 sampling = Sampling(temperature=row_value(temperature, row, cfg.temperature), top_k=cfg.top_k,
                                     top_p=row_value(top_p, row, cfg.top_p), seed=row_value(seed, row, cfg.seed))
-                yield Request(row=row, id=plan.inp.ids[row], prompt_ids=prompt,
-                              max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
-                              bucket=bucket.index, pad_to=bucket.hi, logprobs=row_value(logprobs, row, cfg.logprobs),
-                              stop=row_value(stops, row, ()), constraint=row_value(formats, row, plan.constraint))
+                if sampling.greedy and len(outs) > 1:
+                    self._copies[outs[0]] = outs[1:]
+                    outs = outs[:1]
+                for out in outs:
+                    yield Request(row=out, id=plan.inp.ids[row], prompt_ids=prompt,
+                                  max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
+                                  bucket=bucket.index, pad_to=bucket.hi,
+                                  logprobs=row_value(logprobs, row, cfg.logprobs), stop=row_value(stops, row, ()),
+                                  constraint=row_value(formats, row, plan.constraint), sample=out - first)
         if current is not None:
             self._progress.seal(current)
 
@@ -284,11 +301,11 @@ class Generation:
         error row), in bucket order; only the last ones whose documents fit the suffix index's token bound (the
         index would evict the earlier ones: keeping them would make the job's memory grow with the job). Read
         from the buckets and the parts only when the job resumed."""
-        plan = self.plan
+        plan, samples = self.plan, self.plan.samples
         if not plan.resumed_rows:
             return []
         bound, tail = lookup.SuffixIndex().max_tokens, lookup.SuffixIndex().max_depth - 1
-        completion = np.full(plan.total_rows, -1, np.int64)  # [rows] saved completion length (-1: none or error)
+        completion = np.full(plan.total_rows, -1, np.int64)  # [output rows] saved completion length (-1: none, error)
         for path in self.work.part_paths("rows"):
             table = outputs.read_table(path).select(["row", "token_ids", "finish_reason"])
             ok = pc.not_equal(table.column("finish_reason"), "error").to_numpy(zero_copy_only=False)
@@ -298,8 +315,11 @@ class Generation:
         for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
             rows = batch.column(ROW_COLUMN).to_numpy()
             prompt = pc.list_value_length(batch.column(PROMPT_IDS_COLUMN)).to_numpy(zero_copy_only=False)
-            mine = rows < plan.total_rows
-            mine[mine] = self.done[rows[mine]]
+            inside = rows < plan.input_rows
+            rows, prompt = rows[inside], prompt[inside]
+            prompt = np.repeat(prompt, samples.counts_of(rows))  # each sample's document holds the prompt
+            rows = samples.output_rows(rows)
+            mine = self.done[rows]
             rows, prompt = rows[mine], prompt[mine]
             length = completion[rows]
             order.append(rows)
@@ -316,8 +336,11 @@ class Generation:
         saved = []
         for _, batch in iter_bucket_rows(plan.bucket_dir, plan.manifest):
             for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
-                if row in relearn:
-                    saved.append((prompt, relearn[row]))
+                if row >= plan.input_rows:
+                    continue
+                for out in range(samples.first(row), samples.first(row) + samples.count(row)):
+                    if out in relearn:
+                        saved.append((prompt, relearn[out]))
         return saved
 
     def engine(self) -> Engine:
@@ -353,6 +376,8 @@ class Generation:
                 if isinstance(event, (RowResult, StepStats)):
                     self._record(event)
                 yield event
+                if isinstance(event, RowResult) and event.row in self._copies:
+                    yield from self._copy(event)
                 yield from self._drain()
                 self._unsaved.save_if_due()
                 if self._stop_requested:
@@ -376,6 +401,13 @@ class Generation:
             self._progress.finished(event.row, error=event.finish_reason == "error")
         else:
             self._unsaved.stats.append(event)
+
+    def _copy(self, result: RowResult) -> Iterator[RowResult]:
+        """A greedy row's other samples: its result again, at their output rows (recorded, as the engine's are)."""
+        for out in self._copies.pop(result.row):
+            copy = dataclasses.replace(result, row=out, token_ids=list(result.token_ids))
+            self._record(copy)
+            yield copy
 
     def _drain(self) -> Iterator[RowResult | BucketDone]:
         """Error rows found while feeding the engine, then buckets that just completed."""
@@ -430,36 +462,59 @@ class Generation:
                 "output": str(cfg.output), "stats": str(plan.stats_path), "finish_s": time.perf_counter() - began}
 
     def _output_pieces(self, summary: dict) -> Iterator:
-        """OUT's rows, one range at a time in input order (a table, or the OpenAI file's text); counts them
-        into ``summary``."""
-        cfg, plan = self.cfg, self.plan
+        """OUT's rows, one range of output rows at a time in input order (a table, or the OpenAI file's text);
+        counts them into ``summary``. An input row's samples are adjacent output rows: the table repeats its input
+        columns for each (with a ``sample`` column when the job asks for samples); the OpenAI file answers it in one
+        line of ``n`` choices, so a row whose samples continue in the next range waits for them."""
+        cfg, plan, samples = self.cfg, self.plan, self.plan.samples
         token_text = (lambda token: plan.tokenizer.decode([token])) if plan.wants_logprobs else None
         created = int(time.time())
         passthrough = StoredTable(plan.passthrough) if plan.passthrough is not None else plan.inp.table
+        waiting: tuple[list, list] = ([], [])  # (results, texts) of an input row whose samples continue
         for first, table in merge.ranges(self.work.merge, plan.total_rows):
-            rows, token_ids = table.column("row").to_pylist(), table.column("token_ids").to_pylist()
+            out_rows = table.column("row").to_numpy()
+            in_rows = samples.input_rows(out_rows)  # [range] the input row of each output row
+            token_ids = table.column("token_ids").to_pylist()
             reasons = table.column("finish_reason").to_pylist()
-            texts = self.texts_of(rows, token_ids, reasons)
+            texts = self.texts_of(in_rows.tolist(), token_ids, reasons)
             errors = pc.equal(table.column("finish_reason"), "error")
             summary["rows"] += table.num_rows
             summary["errors"] += pc.sum(errors).as_py() or 0
             summary["completion_tokens"] += pc.sum(pc.list_value_length(table.column("token_ids"))).as_py() or 0
             first_errors = table.filter(errors).slice(0, 3 - len(summary["first_errors"]))
-            summary["first_errors"] += list(zip(*(first_errors.column(c).to_pylist() for c in ("row", "id", "error"))))
+            summary["first_errors"] += list(zip(samples.input_rows(first_errors.column("row").to_numpy()).tolist(),
+                                                *(first_errors.column(c).to_pylist() for c in ("id", "error"))))
             if plan.output_format == "openai" or plan.wants_logprobs:
                 results = outputs.results_from_table(table)  # per row objects, one range at a time
             if plan.output_format == "openai":
-                yield openai_batch.output_text(plan.inp, results, texts, plan.tokenizer, model=plan.target_name,
-                                               chat=cfg.chat, salt=plan.input_hash, created=created)
+                results = waiting[0] + [dataclasses.replace(r, row=int(row)) for r, row in zip(results, in_rows)]
+                texts = waiting[1] + texts
+                last = int(in_rows[-1])
+                cut = len(results)
+                if samples.first(last) + samples.count(last) > first + table.num_rows:  # continues in the next range
+                    cut = next(i for i, r in enumerate(results) if r.row == last)
+                waiting = (results[cut:], texts[cut:])
+                yield openai_batch.output_text(plan.inp, results[:cut], texts[:cut], plan.tokenizer,
+                                               model=plan.target_name, chat=cfg.chat, salt=plan.input_hash,
+                                               created=created)
                 continue
-            inputs = passthrough.slice(first, table.num_rows)
-            if inputs.num_rows != table.num_rows:
-                raise RuntimeError(f"the kept input has {inputs.num_rows} rows from row {first}, not {table.num_rows}")
-            ids = id_array(plan.inp.ids).slice(first, table.num_rows)
+            low = int(in_rows[0])
+            inputs = passthrough.slice(low, int(in_rows[-1]) + 1 - low)
+            if inputs.num_rows != int(in_rows[-1]) + 1 - low:
+                raise RuntimeError(f"the kept input has {inputs.num_rows} rows from row {low}, not "
+                                   f"{int(in_rows[-1]) + 1 - low}")
+            ids = id_array(plan.inp.ids).slice(low, inputs.num_rows)
+            if samples.total != plan.input_rows:  # each input row once per sample
+                at = pa.array(in_rows - low)
+                inputs, ids = inputs.take(at), ids.take(at)
             if plan.wants_logprobs:
-                yield outputs.completions_table(inputs, ids.to_pylist(), results, texts, token_text)
+                piece = outputs.completions_table(inputs, ids.to_pylist(), results, texts, token_text)
             else:
-                yield outputs.completions_from_parts(inputs, ids, table, texts)
+                piece = outputs.completions_from_parts(inputs, ids, table, texts)
+            if samples.written:
+                piece = piece.add_column(piece.schema.get_field_index("id") + 1, SAMPLE_COLUMN,
+                                         pa.array(samples.sample_of(out_rows), pa.int32()))
+            yield piece
 
 
 def _release(work: WorkDir, threads_before: int | None) -> None:

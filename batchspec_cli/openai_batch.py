@@ -14,7 +14,8 @@ per-row columns would. A field a body leaves out (or sets to null) takes the com
 - honoured: ``messages`` (chat) / ``prompt`` (completions: the raw text, no chat template, no
   ``--system``), ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``,
   ``seed``, ``stop`` (a string or a list: the row's stop strings, besides ``--stop``),
-  ``logprobs`` / ``top_logprobs`` (chat) or ``logprobs`` (completions), ``n`` (1 only),
+  ``logprobs`` / ``top_logprobs`` (chat) or ``logprobs`` (completions), ``n`` (1-128: ``n`` choices, sample j
+  keyed by (seed, custom_id, j), choice 0 the one ``n = 1`` gives; a greedy request's choices are equal),
   ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (``strict`` true or false:
   the schema is enforced either way; ``constraints.py``), an invalid schema making the line an error;
 - recorded, never acted on: ``model`` (the ``--target`` runs; the response names it);
@@ -22,7 +23,7 @@ per-row columns would. A field a body leaves out (or sets to null) takes the com
   ``service_tier``, and the neutral values ``stream: false``, ``echo: false``, ``best_of: 1``,
   ``frequency_penalty: 0``, ``presence_penalty: 0``, ``logit_bias: {}``,
   ``response_format: {"type": "text"}`` (no constraint);
-- anything else, ``n`` > 1, a bad value, another ``url`` or ``method``: that line becomes an
+- anything else, a bad value, another ``url`` or ``method``: that line becomes an
   error row naming the field (never silently ignored). A line without a string
   ``custom_id``, or a repeated one, fails the job (exit 2): it could not be answered.
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -50,6 +52,7 @@ import pyarrow as pa
 
 from . import __version__
 from . import constraints
+from .config import MAX_N
 from .errors import InputError
 from .events import RowResult, TokenLogprob
 from .files import check_readable_file, write_text_atomic
@@ -119,7 +122,7 @@ def read_batch(path: Path, limit: int | None = None) -> InputTable:
         raise InputError(f"{path}: no rows")
     ids, prompts, endpoints, errors = [], [], [], {}
     settings: dict[str, list] = {name: [] for name in ("max_new_tokens", "temperature", "top_p", "seed", "stop",
-                                                       "logprobs", "response_format")}
+                                                       "logprobs", "response_format", "n")}
     for row, (line, at) in enumerate(zip(lines, where)):
         custom_id = line.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
@@ -175,10 +178,9 @@ def parse_request(line: dict) -> tuple[Prompt, dict[str, Any]]:
         if "messages" in body:
             raise RequestError(f"'messages' is a {CHAT} field; {COMPLETIONS} takes 'prompt'")
         prompt = _prompt_text(body.get("prompt"))
-    if "n" in body and _integer(body, "n", 1) != 1:
-        raise RequestError(f"n = {body['n']}: one completion per request only (send the request n times, "
-                           f"with different seeds when sampling)")
     values: dict[str, Any] = {}
+    if "n" in body:
+        values["n"] = _bounded(body, "n", MAX_N, 1)
     limits = {k: _integer(body, k, 1) for k in ("max_completion_tokens", "max_tokens") if k in body}
     if len(set(limits.values())) > 1:
         raise RequestError(f"max_tokens = {body['max_tokens']} and max_completion_tokens = "
@@ -263,8 +265,8 @@ def _logprobs(body: dict, url: str) -> int | None:
     return (_bounded(body, "top_logprobs", most) if "top_logprobs" in body else 0) if wanted else None
 
 
-def _bounded(body: dict, name: str, most: int) -> int:
-    value = _integer(body, name, 0)
+def _bounded(body: dict, name: str, most: int, smallest: int = 0) -> int:
+    value = _integer(body, name, smallest)
     if value > most:
         raise RequestError(f"'{name}' must be at most {most}, got {value}")
     return value
@@ -321,35 +323,44 @@ FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length"}
 
 def output_lines(inp: InputTable, results: list[RowResult], texts: list[str], tokenizer, model: str,
                  chat: bool, salt: str, created: int | None = None) -> list[dict]:
-    """One OpenAI Batch output object per row, in row order (``results`` sorted by row, ``texts`` aligned).
+    """One OpenAI Batch output object per input row, in row order (``results`` sorted by row, ``texts`` aligned):
+    an input row's samples (``--n``, the request's ``n``) are adjacent results of that row, its ``choices`` in
+    order (``index`` 0 .. n-1); a sample that failed makes the line an error (the first one's message).
 
     ``chat``: a table input's rows were rendered as chat (``--chat`` and a chat template), so
     they are answered as chat.completion objects; an OpenAI input's rows follow their url."""
     created = int(time.time()) if created is None else created
     as_chat = chat and bool(getattr(tokenizer, "chat_template", None))
     lines = []
-    for result, text in zip(results, texts):
+    for _, group in itertools.groupby(zip(results, texts), key=lambda pair: pair[0].row):
+        group = list(group)
+        result = group[0][0]
         key = hashlib.sha256(f"{salt}\0{result.id}".encode()).hexdigest()
         request_id = "req_" + hashlib.sha256(key.encode()).hexdigest()[:32]
         line: dict[str, Any] = {"id": f"batch_req_{key[:32]}", "custom_id": result.id}
-        if result.finish_reason == "error":
+        failed = next((r for r, _ in group if r.finish_reason == "error"), None)
+        if failed is not None:
             code = ERROR_INVALID if result.row in inp.errors else ERROR_GENERATION
-            lines.append({**line, "response": None, "error": {"code": code, "message": result.error}})
+            lines.append({**line, "response": None, "error": {"code": code, "message": failed.error}})
             continue
         is_chat = inp.endpoints[result.row] == CHAT if inp.endpoints is not None else as_chat
-        entries = getattr(result, "logprobs", None)  # RowResult.logprobs (interfaces.md), None when not asked
-        logprobs = None if entries is None else (chat_logprobs if is_chat else text_logprobs)(entries, tokenizer)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH_REASONS[result.finish_reason],
-                                  "logprobs": logprobs}
-        if is_chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-        else:
-            choice["text"] = text
-        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
-                 "total_tokens": result.prompt_tokens + len(result.token_ids)}
+        choices = []
+        for index, (sample, text) in enumerate(group):
+            entries = getattr(sample, "logprobs", None)  # RowResult.logprobs (interfaces.md), None when not asked
+            logprobs = None if entries is None else (chat_logprobs if is_chat else text_logprobs)(entries, tokenizer)
+            choice: dict[str, Any] = {"index": index, "finish_reason": FINISH_REASONS[sample.finish_reason],
+                                      "logprobs": logprobs}
+            if is_chat:
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        completion_tokens = sum(len(sample.token_ids) for sample, _ in group)
+        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": result.prompt_tokens + completion_tokens}
         body = {"id": f"{'chatcmpl' if is_chat else 'cmpl'}-{key[32:]}",
                 "object": "chat.completion" if is_chat else "text_completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage, "system_fingerprint": f"batchspec-{__version__}"}
+                "choices": choices, "usage": usage, "system_fingerprint": f"batchspec-{__version__}"}
         lines.append({**line, "response": {"status_code": 200, "request_id": request_id, "body": body},
                       "error": None})
     return lines

@@ -46,6 +46,7 @@ from .files import check_distinct, check_output_path, check_writable, naming, re
 from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array, row_overrides, setting_columns
 from .outputs import stats_path_for
 from .prompts import render_chunks
+from .samples import SAMPLE_COLUMN, Samples, job_samples, n_cells
 
 @dataclass(frozen=True)
 class JobPlan:
@@ -77,9 +78,15 @@ class JobPlan:
     # the input's columns in input order (WorkDir.keep_input / keep_read_input): OUT's passthrough columns, read
     # back a range at a time (inputs.StoredTable); ``inp.table`` then holds only the schema
     passthrough: Path | None = None
+    samples: Samples = Samples(0)  # each input row's samples (--n) among the output rows
 
     @property
     def total_rows(self) -> int:
+        """Output rows: every input row's samples (``samples``); what the checkpoint parts and the finish count."""
+        return self.samples.total
+
+    @property
+    def input_rows(self) -> int:
         return len(self.inp.ids)
 
     @property
@@ -99,7 +106,7 @@ def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
                               target=model_signature(plan.target.name, plan.target.source),
                               draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None,
                               **schema),
-            "rows": plan.total_rows}
+            "rows": plan.input_rows}
 
 
 def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
@@ -141,7 +148,7 @@ def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
     if isinstance(inp.table, StoredTable):  # written to the work directory as it was read: moved, not copied
         path = work.keep_read_input(inp.table.path)
     else:
-        path = work.keep_input(inp.table, merge.range_rows(plan.total_rows))
+        path = work.keep_input(inp.table, merge.range_rows(plan.input_rows))
     work.drop_reading()
     kept = dataclasses.replace(inp, table=inp.table.schema.empty_table(), prompts=(), written={})
     plan = dataclasses.replace(plan, inp=kept, passthrough=path)
@@ -217,7 +224,9 @@ def _read_input(cfg: GenerateConfig, work: WorkDir) -> _Source:
     inp, input_hash = sources.read(cfg, work.reading_store())
     if ROW_COLUMN in inp.table.column_names or PROMPT_IDS_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: column names {ROW_COLUMN} and {PROMPT_IDS_COLUMN} are reserved")
-    return _Source(output_format, input_hash, inp, {**row_overrides(inp, cfg), **inp.overrides})
+    counts = n_cells(inp, cfg)  # a bad cell makes its row an error row (inp.errors)
+    return _Source(output_format, input_hash, inp,
+                   {**row_overrides(inp, cfg), **({"n": counts} if counts is not None else {}), **inp.overrides})
 
 
 def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Constraint | None) -> JobPlan:
@@ -243,13 +252,17 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
     if source.bucket_dir is not None:
         inp, overrides = _read_bucket_dir(cfg, source.manifest, target_name, loaded.target)
     notes += openai_batch.model_notes(inp, target_name)
+    samples = job_samples(cfg, len(inp.ids), overrides.get("n"))
+    if samples.written and SAMPLE_COLUMN in inp.table.column_names:
+        raise UsageError(f"{cfg.input}: input column {SAMPLE_COLUMN!r} clashes with the output's sample column "
+                         f"(--n, --n-column); rename it")
     return JobPlan(
         stats_path=stats_path, output_format=source.output_format, inp=inp, input_hash=source.input_hash,
         overrides=overrides, mode=mode, target_name=target_name, target=loaded.target, draft=loaded.draft,
         draft_spec=draft_spec, lookup_names=tuple(lookup_names), eos_ids=loaded.eos_ids, kernels=loaded.kernels,
         engine=loaded.engine, notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
-        bucket_dir=source.bucket_dir, manifest=source.manifest, constraint=constraint)
+        bucket_dir=source.bucket_dir, manifest=source.manifest, constraint=constraint, samples=samples)
 
 
 def job_constraint(cfg: GenerateConfig) -> Constraint | None:
@@ -328,7 +341,11 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
     if cfg.limit is not None:
         table, ids = table.slice(0, cfg.limit), ids[: cfg.limit]
     inp = InputTable(path=cfg.input, table=table, prompts=[], ids=Ids(pa.array(ids, type=pa.string())))
-    return inp, row_overrides(inp, cfg)
+    counts = n_cells(inp, cfg)
+    if inp.errors:  # a bucket directory's rows are all tokenized: there is no error row to make
+        row, error = min(inp.errors.items())
+        raise InputError(f"{cfg.input}: row {row + 1}: {error}")
+    return inp, {**row_overrides(inp, cfg), **({"n": counts} if counts is not None else {})}
 
 
 def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
@@ -342,8 +359,10 @@ def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
     with naming(work.buckets):
         manifest = write_buckets(work.buckets, chunks, tokenizer_settings(cfg, plan.target_name),
                                  width=cfg.bucket_width, min_rows=bucket_rows(cfg), overwrite=True)
-    failed = tuple(RowResult(row, plan.inp.ids[row], [], "error", error=error)
-                   for row, error in sorted(errors.items()))
+    samples = plan.samples  # a prompt that failed fails each of its samples
+    failed = tuple(RowResult(out, plan.inp.ids[row], [], "error", error=error)
+                   for row, error in sorted(errors.items())
+                   for out in range(samples.first(row), samples.first(row) + samples.count(row)))
     return dataclasses.replace(plan, bucket_dir=work.buckets, manifest=manifest, announce=failed)
 
 
@@ -363,7 +382,8 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
              for name in saved.dropped]
     rows = saved.rows
     if len(rows) and (rows.min() < 0 or rows.max() >= plan.total_rows
-                      or not pc.all(pc.equal(saved.ids, id_array(plan.inp.ids).take(pa.array(rows)))).as_py()):
+                      or not pc.all(pc.equal(saved.ids, id_array(plan.inp.ids).take(
+                          pa.array(plan.samples.input_rows(rows))))).as_py()):
         raise CheckpointError(f"{work.path}: a saved row does not belong to this input; "
                               f"pass --restart to discard the interrupted run's work")
     resumed = np.unique(rows)  # a row saved twice (never expected) is kept once

@@ -58,9 +58,15 @@ def _mix64(z: Tensor) -> Tensor:
     return z ^ _shr(z, 31)
 
 
-def row_key(seed: int, row_id: str) -> int:
-    """A stable 63-bit key for a row's random streams, from the run seed and the row id."""
-    digest = hashlib.blake2b(f"{seed}\x1f{row_id}".encode(), digest_size=8).digest()
+def row_key(seed: int, row_id: str, sample: int = 0) -> int:
+    """A stable 63-bit key for a row's random streams, from the run seed, the row id and the sample (``--n``).
+
+    The sample number is BLAKE2b's personalization (16 bytes, zero-padded): sample 0 gives the
+    all-zero default, so its key is the key the row had before samples existed (adding samples
+    never changes the first), and no choice of id can make two (id, sample) pairs share a message.
+    """
+    digest = hashlib.blake2b(f"{seed}\x1f{row_id}".encode(), digest_size=8,
+                             person=sample.to_bytes(16, "little")).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 

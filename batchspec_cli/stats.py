@@ -11,6 +11,8 @@
   a row that got no draft in a speculative round counts as one row-round of 1 token;
 - realign+gather share: (realign_ms + gather_ms) / total_ms over every step;
 - tokens/s: tokens emitted / summed step time (prefill included);
+- prompt reuse: the share of admitted prompt tokens whose KV was copied from another sample of the same input
+  row (``--n``) instead of prefilled (reused / (prefilled + reused), over the prefill steps);
 - k histogram: decode steps per chosen k (auto chooses it every round; 0 is a plain step);
 - expected / realised gain (auto): over the steps whose cost the policy modelled, the
   expected tokens per modelled second, and the tokens emitted per measured second, each
@@ -60,6 +62,14 @@ class Summary:
     expected_gain: float | None = None
     realised_gain: float | None = None
     arms: dict[str, ArmSummary] = field(default_factory=dict)  # auto's arms by name
+    prefilled_tokens: int = 0  # prompt tokens the target prefilled
+    reused_tokens: int = 0  # prompt tokens whose KV was copied from another sample's (--n)
+
+    @property
+    def reuse_share(self) -> float | None:
+        """reused / (prefilled + reused) prompt tokens; None for a file without prefill counts (an older one)."""
+        admitted = self.prefilled_tokens + self.reused_tokens
+        return self.reused_tokens / admitted if admitted else None
 
 
 def summarize_rows(label: str, rows: list[dict]) -> Summary:
@@ -85,7 +95,8 @@ def summarize_rows(label: str, rows: list[dict]) -> Summary:
                        / plain_rate) if modelled else None,
         realised_gain=(sum(r["tokens_emitted"] for r in modelled) / sum(r["total_ms"] for r in modelled)
                        / plain_rate) if modelled else None,
-        arms=arms(decode))
+        arms=arms(decode), prefilled_tokens=sum(r.get("prefilled_tokens") or 0 for r in rows),
+        reused_tokens=sum(r.get("reused_tokens") or 0 for r in rows))
 
 
 def arms(decode: list[dict]) -> dict[str, ArmSummary]:

@@ -165,7 +165,8 @@ def _noise_for(meta: dict, row: dict, prompt_len: int, device) -> KeyedGumbel | 
     if temperature <= 0:
         return None
     seed = int(_row_setting(meta, row, "seed", 0))
-    return KeyedGumbel(sampling.row_key(seed, str(row["id"])), prompt_len, temperature,
+    sample = int(row[meta["sample_column"]]) if meta.get("sample_column") else 0  # --n: the row's sample number
+    return KeyedGumbel(sampling.row_key(seed, str(row["id"]), sample), prompt_len, temperature,
                        int(meta.get("top_k") or 0), float(_row_setting(meta, row, "top_p", 1.0)), device)
 
 

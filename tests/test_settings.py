@@ -12,6 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
+from batchspec_cli.samples import Samples
 from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
 from batchspec_cli.job import Generation, metadata
 from batchspec_cli.plan import fingerprint
@@ -68,7 +69,7 @@ OLD_LABELS = {
 
 RECENT = {"input_format", "split", "config", "top_p_column", "stop_column", "logprobs", "logprobs_column",
           "logprobs_mode", "allow_special_tokens", "json_schema", "regex", "choice", "json",
-          "response_format_column"}  # recent=True: newer than OLD_LABELS
+          "response_format_column", "n", "n_column"}  # recent=True: newer than OLD_LABELS
 
 
 def test_fingerprint_labels_are_unchanged_in_order():
@@ -85,7 +86,8 @@ def a_job(draft: bool) -> SimpleNamespace:
                          limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
                          seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
     model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
-    return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
+    return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, input_rows=5,
+                           samples=Samples(5), mode="ar" if not draft else "eqspec",
                            target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
                            eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,
