@@ -120,6 +120,7 @@ def test_load_local_dir(tiny_model_dir):
     assert eos_ids(model, loaded.tokenizer) == [EOS_ID]
     # The same weights as the factory's, read back from disk.
     reference = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.float32)
+    model = load_model(str(tiny_model_dir), dtype="float32", device="cpu").model
     ids = torch.tensor([[5, 17, 40, 33, 90]])
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
@@ -259,7 +260,7 @@ def write_tiny_gguf(path: Path, seed: int = 0):
 def test_gguf_conversion_is_exact_and_cached(tmp_path, tmp_cache, monkeypatch, capfd):
     reference = write_tiny_gguf(tmp_path / "tiny.gguf")
     capfd.readouterr()
-    loaded = load_model(str(tmp_path / "tiny.gguf"), device="cpu", quiet=True)
+    loaded = load_model(str(tmp_path / "tiny.gguf"), "float32", device="cpu", quiet=True)
     assert capfd.readouterr() == ("", "")
     assert Path(loaded.source).parent == tmp_cache and Path(loaded.source).name.startswith("gguf-")
     assert loaded.model.dtype == torch.float32
@@ -297,7 +298,7 @@ def test_interrupted_gguf_conversion_leaves_no_cache(tmp_path, tmp_cache, monkey
         with pytest.raises(KeyboardInterrupt):
             load_model(str(tmp_path / "tiny.gguf"), device="cpu")
     assert list(tmp_cache.iterdir()) == []
-    assert load_model(str(tmp_path / "tiny.gguf"), device="cpu").model.dtype == torch.float32
+    assert load_model(str(tmp_path / "tiny.gguf"), "float32", device="cpu").model.dtype == torch.float32
 
 
 # --------------------------------------------------------------------------- vocabularies
@@ -416,7 +417,7 @@ def test_default_model_end_to_end():
     """The embedded SmolLM2 (first use converts the GGUF into the real default cache, ~1 min)."""
     start = time.monotonic()
     tokenizer, name = load_tokenizer(None, quiet=True)
-    loaded = load_model(None, device="cpu", quiet=True)
+    loaded = load_model(None, "float32", device="cpu", quiet=True)
     assert time.monotonic() - start < 300
     assert name == loaded.name == f"default:{DEFAULT_TARGET}"
     assert Path(loaded.source) == cache_dir() / "smollm2-135m-instruct"
