@@ -185,7 +185,7 @@ def _from_content(model, cache, cache_kwarg: str, rows_index, input_ids: torch.T
 # -- the folded GQA kernel --------------------------------------------------------------------------
 
 FOLDED_SDPA = "batchspec_sdpa"
-_FOLD_MAX_QUERY = 64  # longer queries (prefill) repeat K/V: repeating the mask instead would cost more
+_FOLD_MAX_QUERY = 64  # longer queries (prefill): repeating the mask would cost more; SDPA's own GQA on a CPU
 
 
 def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -204,10 +204,18 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     n_rep = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
     if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-            or q_len == 1 or q_len > _FOLD_MAX_QUERY or key.shape[-1] != value.shape[-1]
+            or q_len == 1 or key.shape[-1] != value.shape[-1]
             or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if q_len > _FOLD_MAX_QUERY:
+        if query.device.type != "cpu":  # CUDA's fused kernels take no GQA with a mask: stock SDPA repeats K/V
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
+        # A prefill on a CPU: its flash kernel reads each KV head for its query heads (1.1-1.6x repeating them)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     query = query.reshape(batch, heads // n_rep, n_rep * q_len, dim)
     mask = attention_mask.repeat(1, 1, n_rep, 1)  # row r*q + i of the folded query is query row i
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,

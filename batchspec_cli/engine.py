@@ -78,7 +78,7 @@ class EngineConfig:
 
     mode: str = DEFAULT.mode  # auto | ar | eqspec | exspec
     k: int = DEFAULT.k  # draft tokens per round (auto: the most)
-    batch_size: int = DEFAULT.batch_size
+    batch_size: int = 8  # rows a step runs at most (auto_width: the widest it may measure); generate's is "auto"
     window: int | None = DEFAULT.window  # pool size of exspec and auto (None: pool_window)
     # exspec: a same-length group smaller than this x batch is topped up by realigned rows. 1.0 (always a full
     # batch): on CPU a forward of fewer rows costs nearly as much, so fewer, fuller steps win (README).
