@@ -252,7 +252,7 @@ def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list
     if run_tok is not None and ref_tok is not None and j < len(logits):
         step = logits[j].double()
         own, other = float(step[ref_tok]), float(step[run_tok])
-        margin = own - other
-        in_units = margin / unit(dtype, max(abs(own), abs(other)))
+        margin = own - other  # inf where the run's token is outside the reference's top-k / top-p
+        in_units = margin / unit(dtype, max(abs(own), abs(other))) if math.isfinite(margin) else margin
     near_tie = margin is not None and (margin < tolerance or in_units <= units)
     return Mismatch(row, row_id, j, run_tok, ref_tok, margin, near_tie=near_tie, units=in_units)

@@ -5,8 +5,9 @@
 #
 # 1. nvidia-smi summary and torch's view of the device;
 # 2. tests/test_gpu_sync.py: one decode round of every mode (greedy and sampled) syncs the host at most once;
-# 3. the equivalence audit on CUDA in bfloat16 and float32: `batchspec generate` then `batchspec verify`
-#    (re-decodes every row with plain decoding; exit 1 on an unexplained mismatch);
+# 3. the equivalence audit on CUDA in bfloat16 and float32: `batchspec generate` (the automatic batch size) then
+#    `batchspec verify` (re-decodes every row with plain decoding, near-ties judged in the dtype's own units;
+#    exit 1 on an unexplained mismatch);
 # 4. bench.py in bfloat16: ar / auto / exspec (k 1 3 5) / hf at batch 1 (few prompts, one pass) and at
 #    batch 8 and 32 (more prompts, palindrome order). Engine modes must equal ar (exit 1 otherwise).
 # Sizes can be overridden: B1_PROMPTS, B1_TOKENS, PROMPTS, TOKENS.
@@ -36,7 +37,9 @@ python -m pytest -q tests/test_gpu_sync.py
 
 for dtype in bfloat16 float32; do
   step "equivalence audit, cuda $dtype: generate + verify"
-  batchspec generate sample_data/prompts.jsonl "$TMP/o_$dtype.parquet" --device cuda --dtype "$dtype" --overwrite
+  batchspec generate sample_data/prompts.jsonl "$TMP/o_$dtype.parquet" --device cuda --dtype "$dtype" --overwrite \
+    --batch-size auto --log-json "$TMP/log_$dtype.jsonl"
+  grep '"batch_size"' "$TMP/log_$dtype.jsonl" || true   # the width the run measured
   batchspec verify "$TMP/o_$dtype.parquet" --device cuda
 done
 

@@ -35,6 +35,10 @@ def test_a_margin_is_a_near_tie_within_the_units_or_the_absolute_floor():
     assert close.near_tie and close.units == 2.0 and close.margin == 0.25
     assert not verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 1, torch.bfloat16).near_tie
     assert not verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 4, torch.float32).near_tie
+    logits[0, 2] = float("-inf")  # the run's token outside the reference's top-p: never a near-tie
+    far = verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 4, torch.bfloat16)
+    assert not far.near_tie and far.units == float("inf")
+    logits[0, 2] = 20.0
     logits[0, 1] = 20.0005  # under the absolute floor whatever the dtype
     assert verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 0, torch.float32).near_tie
 
