@@ -212,7 +212,7 @@ def generate(
         ray_block_rows=ray_block_rows, overwrite=overwrite, restart=restart, quiet=quiet,
         checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
     out = Console(quiet=quiet, soft_wrap=True)
-    use_ray = ray or ray_address is not None
+    use_ray = cfg.distributed
     if use_ray:  # before anything is read or loaded
         from .distributed import INSTALL_HINT, ray_available
 

@@ -126,6 +126,11 @@ class GenerateConfig:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
         self.choice = tuple(self.choice) if self.choice else None
 
+    @property
+    def distributed(self) -> bool:
+        """Run on Ray workers (``--ray`` or ``--ray-address``): this process plans and records, and loads no model."""
+        return self.ray or self.ray_address is not None
+
 
 DEFAULT = GenerateConfig(input=Path(), output=Path())
 """Every setting at its default: the `generate` command's options take their defaults from it."""

@@ -11,6 +11,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from batchspec_cli.assembly import RunsOn
 from batchspec_cli.cli import app
 from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
 from batchspec_cli.job import Generation, metadata
@@ -84,12 +85,13 @@ def a_job(draft: bool) -> SimpleNamespace:
                          id_column="i", chat=False, system="sys", stop=("a", "b"), dtype="float64", device="cpu",
                          limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
                          seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
-    model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
     return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, mode="ar" if not draft else "eqspec",
-                           target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
+                           target=SimpleNamespace(name="t", source="/nonexistent/t"), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
+                           draft_spec="d" if draft else None, draft_name="d" if draft else None,
+                           draft_source="/nonexistent/d" if draft else None,
                            eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,
-                           kernels="packed")
+                           runs_on=RunsOn(kernels="packed", dtype="float64", device="cpu"))
 
 
 def old_fingerprint(job) -> dict:
@@ -132,7 +134,7 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
     for draft in (True, False):
         job = a_job(draft)
         assert fingerprint(job.cfg, job) == old_fingerprint(job)  # an old work directory still resumes
-        meta, old = metadata(job.cfg, job), old_metadata(job)
+        meta, old = metadata(job.cfg, job, job.runs_on), old_metadata(job)
         assert {key: meta[key] for key in old} == old  # the old keys keep their values
         # added with the model-free drafters, --kernels, then the inputs of issue 28
         assert set(meta) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
