@@ -383,7 +383,7 @@ def test_fingerprint_holds_the_constraint(tmp_path):
     def fp(**kw):
         cfg = GenerateConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", **kw)
         model = SimpleNamespace(name="m", source=str(tmp_path / "no-model"))
-        plan = SimpleNamespace(input_hash="h", mode="ar", target=model, draft=None, total_rows=1,
+        plan = SimpleNamespace(input_hash="h", mode="ar", target=model, draft_spec=None, total_rows=1,
                                constraint=job_constraint(cfg))
         return fingerprint(cfg, plan)
 
