@@ -40,6 +40,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import __version__, interrupts  # from importlib.metadata; interrupts imports nothing heavy
+from . import verify as verify_defaults  # verify's own defaults (its --tolerance, its --seed)
 from .checkpoint import CheckpointError
 from .config import DEFAULT, GenerateConfig, UsageError, os_error_message
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
@@ -85,6 +86,13 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 AllowSpecialOpt = Annotated[bool, typer.Option("--allow-special-tokens", help="Let a control token's string in a "
                                                "prompt (<|im_end|>) be that control token. Default: prompt text "
                                                "is text; control tokens come only from the chat template.")]
+PromptColumnOpt = Annotated[str, typer.Option("--prompt-column")]
+IdColumnOpt = Annotated[str, typer.Option("--id-column")]
+ChatOpt = Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
+BucketWidthOpt = Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
+                                                       "(default: automatic).")]
+LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N rows.")]
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -118,11 +126,10 @@ def generate(
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
                                                               "error rows (default: the model's context).")]
     = DEFAULT.max_prompt_tokens,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = DEFAULT.prompt_column,
-    id_column: Annotated[str, typer.Option("--id-column")] = DEFAULT.id_column,
-    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = DEFAULT.chat,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
-    = DEFAULT.system,
+    prompt_column: PromptColumnOpt = DEFAULT.prompt_column,
+    id_column: IdColumnOpt = DEFAULT.id_column,
+    chat: ChatOpt = DEFAULT.chat,
+    system: SystemOpt = DEFAULT.system,
     allow_special_tokens: AllowSpecialOpt = DEFAULT.allow_special_tokens,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = DEFAULT.temperature,
@@ -161,13 +168,12 @@ def generate(
                                                                   "constraint: an OpenAI response_format object "
                                                                   "(json_schema or json_object) or a JSON schema "
                                                                   "(null: the job's).")] = DEFAULT.response_format_column,
-    bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
-                                                         "(default: automatic).")] = DEFAULT.bucket_width,
+    bucket_width: BucketWidthOpt = DEFAULT.bucket_width,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]
     = DEFAULT.stats,
     dtype: DtypeOpt = DEFAULT.dtype,
     device: DeviceOpt = DEFAULT.device,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = DEFAULT.limit,
+    limit: LimitOpt = DEFAULT.limit,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = DEFAULT.overwrite,
     restart: Annotated[bool, typer.Option("--restart", help="Discard the saved work of an interrupted run of OUT "
                                                            "instead of resuming it.")] = DEFAULT.restart,
@@ -470,11 +476,12 @@ def _signal_name(signum: int | None) -> str | None:
 def verify(
     completions: Annotated[Path, typer.Argument(help="Completions .parquet written by `batchspec generate`.")],
     sample: Annotated[Optional[int], typer.Option(help="Check N random rows (default: every row).")] = None,
-    tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie.")] = 1e-3,
-    seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = 0,
-    device: DeviceOpt = "auto",
-    threads: ThreadsOpt = None,
-    quiet: QuietOpt = False,
+    tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie.")]
+    = verify_defaults.DEFAULT_TOLERANCE,
+    seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = verify_defaults.SAMPLE_SEED,
+    device: DeviceOpt = DEFAULT.device,
+    threads: ThreadsOpt = DEFAULT.threads,
+    quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Re-decode rows one at a time with plain decoding and compare (exit 1 on an unexplained mismatch).
 
@@ -556,33 +563,37 @@ def stats_command(
 def bucket(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl or .parquet file.")],
     directory: Annotated[Path, typer.Argument(help="Bucket directory to write.")],
-    target: TargetOpt = None,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = "prompt",
-    id_column: Annotated[str, typer.Option("--id-column")] = "id",
-    chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
-    system: Annotated[Optional[str], typer.Option("--system")] = None,
-    allow_special_tokens: AllowSpecialOpt = False,
-    bucket_width: Annotated[Optional[int], typer.Option("--bucket-width")] = None,
+    target: TargetOpt = DEFAULT.target,
+    prompt_column: PromptColumnOpt = DEFAULT.prompt_column,
+    id_column: IdColumnOpt = DEFAULT.id_column,
+    chat: ChatOpt = DEFAULT.chat,
+    system: SystemOpt = DEFAULT.system,
+    allow_special_tokens: AllowSpecialOpt = DEFAULT.allow_special_tokens,
+    bucket_width: BucketWidthOpt = DEFAULT.bucket_width,
     min_rows: Annotated[int, typer.Option("--min-rows", help="Merge sparse lengths until a bucket has this many "
-                                                            "rows (typically the batch size).")] = 8,
-    limit: Annotated[Optional[int], typer.Option()] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
-    quiet: QuietOpt = False,
+                                                            "rows (typically the batch size).")] = DEFAULT.batch_size,
+    limit: LimitOpt = DEFAULT.limit,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DIRECTORY if it is a bucket directory.")]
+    = DEFAULT.overwrite,
+    quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
     from buckets import BucketError, bucket_chunk, write_buckets
     from . import models
-    from .config import GenerateConfig, tokenizer_settings
+    from .config import tokenizer_settings, validate
     from .prompts import render_chunks
 
-    if bucket_width is not None and bucket_width < 1:
-        raise fail(f"--bucket-width must be positive, got {bucket_width}")
+    # the settings generate would tokenize with, checked as generate checks them
+    cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
+                         id_column=id_column, chat=chat, system=system, allow_special_tokens=allow_special_tokens,
+                         bucket_width=bucket_width, limit=limit)
+    try:
+        validate(cfg)
+    except UsageError as exc:
+        raise fail(str(exc)) from None
     try:
         inp = read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
-                             id_column=id_column, chat=chat, system=system,
-                             allow_special_tokens=allow_special_tokens)
         settings = tokenizer_settings(cfg, name) | ({TEXT_COLUMNS: sorted(inp.written)} if inp.written else {})
         errors: dict[int, str] = {}
 

@@ -37,6 +37,44 @@ def test_generate_options_and_config_fields_correspond_one_to_one():
         assert default == defaults[s.field], s
 
 
+def test_every_command_takes_a_settings_default_from_its_one_home():
+    """`bucket` and `verify` options that are `generate` settings default to GenerateConfig's value (config.DEFAULT),
+    and share generate's flag; --min-rows is the batch size's default, verify's own defaults are verify.py's."""
+    from batchspec_cli import verify
+
+    commands = typer.main.get_command(app).commands
+    by_setting = {s.name: s for s in settings()}
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateConfig)}
+    for name in ("bucket", "verify"):
+        own = {"seed"} if name == "verify" else set()  # verify's --seed picks the sample: not the run's seed
+        shared = [p for p in commands[name].params
+                  if p.name in by_setting and p.name not in own and p.param_type_name == "option"]
+        assert len(shared) >= (8 if name == "bucket" else 3), name
+        for param in shared:
+            setting = by_setting[param.name]
+            assert param.default == defaults[setting.field], (name, param.name)
+            assert setting.label.split("/")[0] in param.opts, (name, param.opts)
+    bucket = {p.name: p for p in commands["bucket"].params}
+    assert bucket["min_rows"].default == defaults["batch_size"]
+    options = {p.name: p for p in commands["verify"].params}
+    assert (options["tolerance"].default, options["seed"].default) == (verify.DEFAULT_TOLERANCE, verify.SAMPLE_SEED)
+
+
+def test_a_bad_setting_gets_one_message_from_every_command(tmp_path):
+    """The bucket-width and limit checks live in config.validate, for generate and bucket alike."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a"}\n')
+    for flag, value, message in (("--bucket-width", "0", "--bucket-width must be positive, got 0"),
+                                 ("--limit", "0", "--limit must be a positive integer, got 0")):
+        outputs = []
+        for command in (["generate", str(inp), str(tmp_path / "o.parquet")], ["bucket", str(inp), str(tmp_path / "b")]):
+            result = CliRunner().invoke(app, [*command, flag, value])
+            assert result.exit_code == 2, result.output
+            outputs.append(" ".join(result.output.split()))
+        assert all(message in out for out in outputs), outputs
+    assert not (tmp_path / "b").exists() and not (tmp_path / "o.parquet").exists()
+
+
 def test_the_cli_builds_the_config_from_every_option(monkeypatch):
     seen = {}
 
