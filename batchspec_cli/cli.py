@@ -26,7 +26,7 @@ def _prefer_passive_openmp() -> None:
 
     Read once, when torch loads its OpenMP runtime, so it must be set before torch is first
     imported. On a shared machine a spinning thread whose partner is descheduled wastes its
-    core at every barrier: a 4-prompt job took 59 s against 10.6 s (docs/operations.md).
+    core at every barrier (docs/operations.md, "Shared machines").
     The command line owns its process, so it sets this; the library never does.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

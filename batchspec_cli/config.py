@@ -117,8 +117,8 @@ class GenerateConfig:
     overwrite: bool = False
     restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
-    # save a part after this many finished rows ... (a fast job's parts are then ~1k rows, not 32: at 100k rows of the
-    # scale benchmark the finish read 6,250 small parts in 6.5 s, 98 parts in 1.4 s, and the decode saved 13 %)
+    # save a part after this many finished rows ... (a fast job's parts are then ~1k rows, not 32: the finish reads
+    # every part, and many small ones cost it most; docs/history.md, "Figures once kept in the code")
     checkpoint_rows: int = 1024
     checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
 

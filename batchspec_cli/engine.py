@@ -281,9 +281,8 @@ class Engine:
         included, into one rectangle. While the policy does not speculate (``wants_pool``
         false: auto's PLAIN arm, or no drafter) the pool, too, holds one batch, and refills
         every slot as soon as it is free: rows that a SPEC trial left out of step finish
-        one by one, and waiting for a quarter of the batch ran 7 of 8 rows for a tenth more
-        rounds (32 prompts at batch 8: 285 rounds against ar's 256, 0.94x of ar; 255 and
-        0.97x refilling at once).
+        one by one, and waiting for a quarter of the batch would run most rows for more rounds
+        than ``ar`` (docs/history.md, "Figures once kept in the code").
         """
         table = self.table
         free = table.free_slots()

@@ -145,8 +145,8 @@ class _Unsaved:
     rows, ``MOST_TOKENS`` of their completion tokens (long rows, each perhaps with its logprobs, are
     held no more than 32 rows of 512 tokens were) or ``checkpoint_seconds`` since the previous one.
     Every ``RELEASE_SECONDS`` a save also hands the memory the decode freed back to the system: the C
-    heap keeps freed chunks between live ones, and over a long job its resident size crept with the
-    rows (40k rows of the scale benchmark: +32 MB over the decode, +9 MB with this; ~3-20 ms a time)."""
+    heap keeps freed chunks between live ones, and over a long job its resident size would creep with the
+    rows (docs/history.md, "Figures once kept in the code")."""
 
     RELEASE_SECONDS = 10.0
     MOST_TOKENS = 16384

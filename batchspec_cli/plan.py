@@ -168,8 +168,8 @@ def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
 
 def release_free_memory() -> None:
     """Hand the memory that reading, tokenizing and bucketing freed back to the system (Arrow's pool and the C
-    heap keep freed memory for reuse, and the job's later peaks would stand on top of it): at 100k rows of
-    the scale benchmark, 577 MB resident after bucketing, 468 MB after this."""
+    heap keep freed memory for reuse, and the job's later peaks would stand on top of it; docs/history.md,
+    "Figures once kept in the code")."""
     pa.default_memory_pool().release_unused()
     try:
         ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is no such call and nothing to do
