@@ -1,6 +1,6 @@
 """The settings of one `generate` job: `GenerateConfig`, what each setting means outside it
 (fingerprint, output metadata, its flag), and their validation (the per-row overrides read from input columns are
-inputs.row_overrides).
+row_settings.row_overrides).
 
 Nothing here loads a model or touches a file but the input table it is given: `job.Generation`
 turns a validated config into a run.

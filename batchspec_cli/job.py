@@ -50,8 +50,9 @@ from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
-from .inputs import StoredTable, id_array, row_value
+from .inputs import StoredTable, id_array
 from .plan import JobPlan, plan_job, release_free_memory, start_job
+from .row_settings import row_value
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]

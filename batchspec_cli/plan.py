@@ -45,9 +45,10 @@ from .constraints import Constraint
 from .errors import InputError
 from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
-from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array, row_overrides, setting_columns
+from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
 from .outputs import stats_path_for
 from .prompts import render_chunks
+from .row_settings import row_overrides, setting_columns
 
 @dataclass(frozen=True)
 class JobPlan:
@@ -57,7 +58,7 @@ class JobPlan:
     output_format: str  # parquet | openai (sources.output_format)
     inp: InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
     input_hash: str
-    overrides: dict[str, list]  # setting -> [rows] value or None (inputs.row_overrides and the input's own)
+    overrides: dict[str, list]  # setting -> [rows] value or None (row_settings.row_overrides and the input's own)
     wants_logprobs: bool  # any row asks for log-probabilities (--logprobs, --logprobs-column, an OpenAI request)
     mode: str  # the mode run: --mode, or ar when nothing can draft
     target: models.ModelFacts  # read without its weights

@@ -23,9 +23,10 @@ from . import models
 from . import sampling
 from .config import DEFAULT
 from .errors import InputError
-from .inputs import (JSONL_SUFFIXES, OVERRIDES, BadPrompt, parse_prompt, read_completions, read_run_metadata,
-                     row_value)
+from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt
+from .outputs import read_completions, read_run_metadata
 from .prompts import render_prompt
+from .row_settings import OVERRIDES, row_value
 
 DEFAULT_TOLERANCE = 1e-3
 
@@ -120,7 +121,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
 
 class RunSettings:
     """The run's sampling settings as its metadata records them (a setting it does not record: the default every
-    command shares, ``config.DEFAULT``) and the per-row columns it read them from (``inputs.row_value``)."""
+    command shares, ``config.DEFAULT``) and the per-row columns it read them from (``row_settings.row_value``)."""
 
     def __init__(self, meta: dict, table):
         self.meta = meta
