@@ -1,8 +1,9 @@
-"""The composition root: where a job's models load and its engine is built, for a single process and a Ray worker.
+"""The composition root: where a job's models load and its engine is built, in the process that runs it.
 
 ``assemble(cfg, mode, draft_spec, lookup_names)`` loads the target, applies ``--kernels``,
-reads the EOS ids and builds the ``Engine``; ``plan.plan_job`` and ``distributed.Worker``
-both call it and nothing else builds an engine for a job. The draft model is named and
+reads the EOS ids and builds the ``Engine``; ``job.Generation`` (a single process) and
+``distributed.Worker`` (each Ray worker) call it and nothing else builds an engine for a job;
+the plan of a job (``plan.plan_job``) reads no weights, so a Ray driver loads no model. The draft model is named and
 vetted here (``models.check_draft``: a draft that does not fit the target is refused before
 the job starts) but its weights load, and are packed, only when the engine first uses them
 (``LazyDraft``): ``auto`` calibrates the draft at its first speculative trial, and on a job
@@ -57,6 +58,17 @@ class LazyDraft:
         return ModelHandle(self.loaded.model, models.cache_kwarg(self.loaded.model))
 
 
+@dataclass(frozen=True)
+class RunsOn:
+    """How a job's engine runs, as the output's metadata records it (a Ray job's: its first worker's)."""
+
+    kernels: str  # stock | packed (use_kernels)
+    dtype: str  # the target's, as torch names it without "torch.": float32, bfloat16...
+    device: str  # cpu, cuda:0...
+    dtype_reason: str = ""  # why that dtype (models.choose_dtype)
+    batch_size: int | None = None  # --batch-size auto: the width the engine measured (None: not measured)
+
+
 @dataclass
 class Assembly:
     """What ``assemble`` made: the engine and what the job's files record of it."""
@@ -67,6 +79,13 @@ class Assembly:
     eos_ids: list[int]
     kernels: str  # the kernels that run: stock | packed (use_kernels)
     notes: list[str]  # for the user: a kernel that cannot apply, or that memory leaves out
+
+    @property
+    def runs_on(self) -> RunsOn:
+        """How the engine runs now (the batch width once it has measured it)."""
+        model, engine = self.target.model, self.engine
+        return RunsOn(self.kernels, str(model.dtype).removeprefix("torch."), str(model.device),
+                      self.target.dtype_reason, engine.batch_size if engine.width_rates is not None else None)
 
 
 def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_names: list[str],

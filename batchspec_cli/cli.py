@@ -26,7 +26,7 @@ def _prefer_passive_openmp() -> None:
 
     Read once, when torch loads its OpenMP runtime, so it must be set before torch is first
     imported. On a shared machine a spinning thread whose partner is descheduled wastes its
-    core at every barrier: a 4-prompt job took 59 s against 10.6 s (docs/operations.md).
+    core at every barrier (docs/operations.md, "Shared machines").
     The command line owns its process, so it sets this; the library never does.
     """
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -40,8 +40,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from . import __version__, interrupts  # from importlib.metadata; interrupts imports nothing heavy
+from . import verify as verify_defaults  # verify's own defaults (its --tolerance, its --seed)
 from .checkpoint import CheckpointError
-from .config import DEFAULT, GenerateConfig, UsageError, os_error_message, parse_batch_size
+from .config import DEFAULT, GenerateConfig, UsageError, bucket_rows, os_error_message, parse_batch_size
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
 from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
@@ -85,6 +86,13 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 AllowSpecialOpt = Annotated[bool, typer.Option("--allow-special-tokens", help="Let a control token's string in a "
                                                "prompt (<|im_end|>) be that control token. Default: prompt text "
                                                "is text; control tokens come only from the chat template.")]
+PromptColumnOpt = Annotated[str, typer.Option("--prompt-column")]
+IdColumnOpt = Annotated[str, typer.Option("--id-column")]
+ChatOpt = Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")]
+SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
+BucketWidthOpt = Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
+                                                       "(default: automatic).")]
+LimitOpt = Annotated[Optional[int], typer.Option(help="Only the first N rows.")]
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> typer.Exit:
@@ -127,11 +135,10 @@ def generate(
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
                                                               "error rows (default: the model's context).")]
     = DEFAULT.max_prompt_tokens,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = DEFAULT.prompt_column,
-    id_column: Annotated[str, typer.Option("--id-column")] = DEFAULT.id_column,
-    chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = DEFAULT.chat,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
-    = DEFAULT.system,
+    prompt_column: PromptColumnOpt = DEFAULT.prompt_column,
+    id_column: IdColumnOpt = DEFAULT.id_column,
+    chat: ChatOpt = DEFAULT.chat,
+    system: SystemOpt = DEFAULT.system,
     allow_special_tokens: AllowSpecialOpt = DEFAULT.allow_special_tokens,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = DEFAULT.temperature,
@@ -175,13 +182,12 @@ def generate(
                                                                   "constraint: an OpenAI response_format object "
                                                                   "(json_schema or json_object) or a JSON schema "
                                                                   "(null: the job's).")] = DEFAULT.response_format_column,
-    bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
-                                                         "(default: automatic).")] = DEFAULT.bucket_width,
+    bucket_width: BucketWidthOpt = DEFAULT.bucket_width,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]
     = DEFAULT.stats,
     dtype: DtypeOpt = DEFAULT.dtype,
     device: DeviceOpt = DEFAULT.device,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N rows.")] = DEFAULT.limit,
+    limit: LimitOpt = DEFAULT.limit,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = DEFAULT.overwrite,
     restart: Annotated[bool, typer.Option("--restart", help="Discard the saved work of an interrupted run of OUT "
                                                            "instead of resuming it.")] = DEFAULT.restart,
@@ -226,7 +232,7 @@ def generate(
         ray_block_rows=ray_block_rows, overwrite=overwrite, restart=restart, quiet=quiet,
         checkpoint_rows=checkpoint_rows, checkpoint_seconds=checkpoint_seconds)
     out = Console(quiet=quiet, soft_wrap=True)
-    use_ray = ray or ray_address is not None
+    use_ray = cfg.distributed
     if use_ray:  # before anything is read or loaded
         from .distributed import INSTALL_HINT, ray_available
 
@@ -505,13 +511,14 @@ def verify(
     completions: Annotated[Path, typer.Argument(help="Completions .parquet written by `batchspec generate`.")],
     sample: Annotated[Optional[int], typer.Option(help="Check N random rows (default: every row).")] = None,
     tolerance: Annotated[float, typer.Option(help="Logit margin below which a mismatch is a float near-tie, "
-                                                  "whatever the dtype.")] = 1e-3,
+                                                  "whatever the dtype.")] = verify_defaults.DEFAULT_TOLERANCE,
     units: Annotated[float, typer.Option(help="A margin within this many units of the run's dtype at the logits' "
-                                              "magnitude is a near-tie (bfloat16 at 20: 1 unit = 0.125).")] = 4.0,
-    seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = 0,
-    device: DeviceOpt = "auto",
-    threads: ThreadsOpt = None,
-    quiet: QuietOpt = False,
+                                              "magnitude is a near-tie (bfloat16 at 20: 1 unit = 0.125).")]
+    = verify_defaults.DEFAULT_UNITS,
+    seed: Annotated[int, typer.Option(help="Seed for choosing the sample.")] = verify_defaults.SAMPLE_SEED,
+    device: DeviceOpt = DEFAULT.device,
+    threads: ThreadsOpt = DEFAULT.threads,
+    quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Re-decode rows one at a time with plain decoding and compare (exit 1 on an unexplained mismatch).
 
@@ -601,33 +608,38 @@ def stats_command(
 def bucket(
     input: Annotated[Path, typer.Argument(help="Prompts: .jsonl or .parquet file.")],
     directory: Annotated[Path, typer.Argument(help="Bucket directory to write.")],
-    target: TargetOpt = None,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = "prompt",
-    id_column: Annotated[str, typer.Option("--id-column")] = "id",
-    chat: Annotated[bool, typer.Option("--chat/--no-chat")] = True,
-    system: Annotated[Optional[str], typer.Option("--system")] = None,
-    allow_special_tokens: AllowSpecialOpt = False,
-    bucket_width: Annotated[Optional[int], typer.Option("--bucket-width")] = None,
+    target: TargetOpt = DEFAULT.target,
+    prompt_column: PromptColumnOpt = DEFAULT.prompt_column,
+    id_column: IdColumnOpt = DEFAULT.id_column,
+    chat: ChatOpt = DEFAULT.chat,
+    system: SystemOpt = DEFAULT.system,
+    allow_special_tokens: AllowSpecialOpt = DEFAULT.allow_special_tokens,
+    bucket_width: BucketWidthOpt = DEFAULT.bucket_width,
     min_rows: Annotated[int, typer.Option("--min-rows", help="Merge sparse lengths until a bucket has this many "
-                                                            "rows (typically the batch size).")] = 8,
-    limit: Annotated[Optional[int], typer.Option()] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
-    quiet: QuietOpt = False,
+                                                            "rows (typically the batch size).")]
+    = bucket_rows(DEFAULT),
+    limit: LimitOpt = DEFAULT.limit,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DIRECTORY if it is a bucket directory.")]
+    = DEFAULT.overwrite,
+    quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
     from buckets import BucketError, bucket_chunk, write_buckets
     from . import models
-    from .config import GenerateConfig, tokenizer_settings
+    from .config import tokenizer_settings, validate
     from .prompts import render_chunks
 
-    if bucket_width is not None and bucket_width < 1:
-        raise fail(f"--bucket-width must be positive, got {bucket_width}")
+    # the settings generate would tokenize with, checked as generate checks them
+    cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
+                         id_column=id_column, chat=chat, system=system, allow_special_tokens=allow_special_tokens,
+                         bucket_width=bucket_width, limit=limit)
+    try:
+        validate(cfg)
+    except UsageError as exc:
+        raise fail(str(exc)) from None
     try:
         inp = read_input(input, prompt_column, id_column, limit)
         tokenizer, name = models.load_tokenizer(target, quiet=True)
-        cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,
-                             id_column=id_column, chat=chat, system=system,
-                             allow_special_tokens=allow_special_tokens)
         settings = tokenizer_settings(cfg, name) | ({TEXT_COLUMNS: sorted(inp.written)} if inp.written else {})
         errors: dict[int, str] = {}
 

@@ -1,6 +1,6 @@
 """The settings of one `generate` job: `GenerateConfig`, what each setting means outside it
 (fingerprint, output metadata, its flag), and their validation (the per-row overrides read from input columns are
-inputs.row_overrides).
+row_settings.row_overrides).
 
 Nothing here loads a model or touches a file but the input table it is given: `job.Generation`
 turns a validated config into a run.
@@ -121,14 +121,19 @@ class GenerateConfig:
     overwrite: bool = False
     restart: bool = False  # discard the saved work of an interrupted run instead of resuming it
     quiet: bool = False
-    # save a part after this many finished rows ... (a fast job's parts are then ~1k rows, not 32: at 100k rows of the
-    # scale benchmark the finish read 6,250 small parts in 6.5 s, 98 parts in 1.4 s, and the decode saved 13 %)
+    # save a part after this many finished rows ... (a fast job's parts are then ~1k rows, not 32: the finish reads
+    # every part, and many small ones cost it most; docs/history.md, "Figures once kept in the code")
     checkpoint_rows: int = 1024
     checkpoint_seconds: float = 10.0  # ... or this long after the previous part, whichever comes first
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop or ())  # the CLI gives a list, or None when no --stop is given
         self.choice = tuple(self.choice) if self.choice else None
+
+    @property
+    def distributed(self) -> bool:
+        """Run on Ray workers (``--ray`` or ``--ray-address``): this process plans and records, and loads no model."""
+        return self.ray or self.ray_address is not None
 
 
 AUTO = "auto"

@@ -28,7 +28,7 @@ from typing import Protocol
 PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 # ... except for drafters whose drafts are the target's own choice by construction: a grammar's forced tokens are
 # the only tokens its mask allows, so they are refused only where the model writes another tokenization of the
-# forced text (measured on SmolLM2: 144 of 144 accepted, docs/performance.md)
+# forced text (measured on SmolLM2: 144 of 144 accepted, docs/history.md)
 DRAFTER_PRIORS = {"grammar": 0.95}
 FORCED = ("grammar",)  # drafters whose drafts are the target's own choice: PLAIN takes them too (``Auto._plain``)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
@@ -329,9 +329,9 @@ class Arms:
         most tokens the job has left after it, rows in flight and rows to come (None: unknown). ``admit_s``: of
         ``seconds``, the target's prefills of rows admitted before the round. They count neither in the window nor
         in a trial's price: whichever arm runs, a row is prefilled once, and where one lands decides nothing about
-        the arms (a window with a long prompt's prefill measured half the rate of one without; with the prefills
-        in, SPEC won 2 of 4 trials at batch 4 that measured 0.83-0.85 of PLAIN's rate without them). Everything
-        else between two rounds counts: KV growth, realignment, the draft's prefills and catch-up."""
+        the arms (a prefill in a window would decide its rate: docs/history.md, "Figures once kept in the
+        code"). Everything else between two rounds counts: KV growth, realignment, the draft's prefills and
+        catch-up."""
         self.tokens_left = tokens_left
         seconds -= admit_s  # the arm's own seconds: a row's prefill is the same work whichever arm runs
         self.window.tokens.append(tokens)

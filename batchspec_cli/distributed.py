@@ -2,12 +2,15 @@
 
 An adapter, nothing more (the engine does not know Ray exists)::
 
-    driver (Generation)                         Ray Data actor pool (``--ray-workers N``)
+    driver (Generation, no model)               Ray Data actor pool (``--ray-workers N``)
     requests() -> blocks  ---- map_batches ---> Worker.__init__: assembly.assemble(...) once,
        (a length bucket, or a slice of one)                      as a single process does
     events(run=RayExecutor.run) <------------- Worker.__call__: engine.run(block's requests)
-       records rows + stats in the job's                        -> the block's RowResults and StepStats
-       checkpoint parts, writes OUT at the end
+       records rows + stats in the job's                        -> the block's RowResults and StepStats,
+       checkpoint parts, writes OUT at the end                     and how its engine runs (RunsOn)
+
+The driver holds the job's settings and what it needs of the models without their weights (the tokenizer, the
+EOS ids: ``plan.JobPlan``); only the workers load models, so the driver needs no GPU.
 
 Every block holds rows of one bucket, so every worker still sees same-length prompts. A
 block's events come back together when the block is done, in the order blocks finish;
@@ -40,7 +43,7 @@ from typing import Iterable, Iterator
 from .config import AUTO, AUTO_BLOCK_WIDTH, GenerateConfig
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
-from .assembly import assemble
+from .assembly import RunsOn, assemble
 from .job import Generation, StepNumbering
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
@@ -116,7 +119,8 @@ class Worker:
         torch.set_num_threads(spec.threads)
         # As a single process does (--kernels auto: by this worker's own free memory). run() resets the rows'
         # state; the policy's timings, the drafters' indexes and a loaded draft carry over between blocks.
-        self.engine = assemble(spec.cfg, spec.mode, spec.draft_spec, spec.lookup_names, quiet=True).engine
+        assembly = assemble(spec.cfg, spec.mode, spec.draft_spec, spec.lookup_names, quiet=True)
+        self.assembly, self.engine = assembly, assembly.engine
         self.engine.preload(spec.preload)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -124,7 +128,7 @@ class Worker:
         # batch: {"block": [n], "requests": [n] a reference to a pickled list[Request]}; n is 1 (batch_size=1)
         import ray
 
-        out = {"block": [], "worker": [], "seconds": [], "events": []}
+        out = {"block": [], "worker": [], "seconds": [], "events": [], "runs_on": []}
         for block, ref in zip(batch["block"], batch["requests"]):
             requests: list[Request] = pickle.loads(ray.get(ref))
             start = time.perf_counter()
@@ -133,6 +137,7 @@ class Worker:
             out["worker"].append(self.name)
             out["seconds"].append(time.perf_counter() - start)
             out["events"].append(pickle.dumps(events))
+            out["runs_on"].append(pickle.dumps(self.assembly.runs_on))  # after the run: the width it measured
         return out
 
 
@@ -222,7 +227,7 @@ class RayExecutor:
             self.owns_ray = False
 
     # ------------------------------------------------------------------ running
-    def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats | BlockDone]:
+    def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats | BlockDone | RunsOn]:
         import ray
         import ray.data
 
@@ -260,6 +265,7 @@ class RayExecutor:
             seen.add(block)
             events = pickle.loads(out["events"])
             rows = [e for e in events if isinstance(e, RowResult)]
+            yield pickle.loads(out["runs_on"])  # the job records the first (Generation.events)
             yield BlockDone(block=block, bucket=buckets[block], rows=len(rows),
                             errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
                             seconds=float(out["seconds"]))

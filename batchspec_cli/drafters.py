@@ -60,6 +60,7 @@ class Proposal:
     lengths: list[int]  # [G] real drafts per row (host)
     source: str  # "model", a model-free drafter's name, or their names joined for a merged proposal
     fed: int = 0  # model: columns its first forward took (its catch-up)
+    host: list[list[int]] | None = None  # [G] the real drafts on the host (model-free drafts); None: device only
 
 
 class Drafter(Protocol):
@@ -232,7 +233,8 @@ def merge(proposals: dict[str, Proposal], drafters: list[str], k: int, device: t
     names = list(proposals)
     stacked = torch.stack([p.tokens[:, :k] for p in proposals.values()])  # [P, G, k]
     which = torch.tensor([names.index(d) if d else 0 for d in drafters])
-    tokens = stacked[which, torch.arange(len(drafters))]
+    tokens = stacked[which, torch.arange(len(drafters))]  # [G, k] on the host, as the drafters made them
     lengths = [min(k, proposals[d].lengths[i]) if d else 0 for i, d in enumerate(drafters)]
     label = ",".join(sorted({d for d, n in zip(drafters, lengths) if n}))
-    return Proposal(tokens.to(device), lengths, label)
+    host = [row[:n] for row, n in zip(tokens.tolist(), lengths)]  # for the grammar walk: no read from the device
+    return Proposal(tokens.to(device), lengths, label, host=host)

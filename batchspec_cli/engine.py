@@ -382,9 +382,8 @@ class Engine:
         included, into one rectangle. While the policy does not speculate (``wants_pool``
         false: auto's PLAIN arm, or no drafter) the pool, too, holds one batch, and refills
         every slot as soon as it is free: rows that a SPEC trial left out of step finish
-        one by one, and waiting for a quarter of the batch ran 7 of 8 rows for a tenth more
-        rounds (32 prompts at batch 8: 285 rounds against ar's 256, 0.94x of ar; 255 and
-        0.97x refilling at once).
+        one by one, and waiting for a quarter of the batch would run most rows for more rounds
+        than ``ar`` (docs/history.md, "Figures once kept in the code").
         """
         table = self.table
         free = table.free_slots()
@@ -717,7 +716,7 @@ class Engine:
         rows = [state.rows[s].row for s in slots]
         remaining = sum(state.limit[s] - len(state.ids[s]) for s in slots) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
-        if self.has_draft:
+        if self.has_draft and not all(row in self.guide.matchers for row in rows):  # see _constrain
             sources["model"] = Offer(None, self.table.end[slots[0]] - self.table.draft_reach(slots))
         choice = self.policy.choose(Group(rows, self.table.end[slots[0]], remaining), sources)
         if not choice.k:
@@ -764,13 +763,23 @@ class Engine:
         """The constrained rows' masks [G, k+1, V] (bool, on the device) for the verify positions; None when no
         row of the group is constrained (no cost). Drafts are cut at the first token a row's grammar refuses
         (``draft.lengths``), and the masks are those of the row's committed prefix plus its drafts before each
-        position (``constraints.Guide.walk``)."""
+        position (``constraints.Guide.walk``).
+
+        The grammar walks host lists only, so a constrained round still syncs once (its commit): model-free
+        drafts come with their host copy (``Proposal.host``); a draft model's stay on the device, so a
+        constrained row takes none of them (the model drafts only for a group with a free row, ``_choose``:
+        on constrained jobs its drafts were chosen and accepted rarely, docs/history.md)."""
         if not self.guide.matchers:  # no constrained row in flight: nothing to do
             return None
         rows = [self.state.rows[s].row for s in slots]
         if not self.guide.any(rows):
             return None
-        drafts = [[]] * len(slots) if not k else [row[:n] for row, n in zip(draft.tokens.tolist(), draft.lengths)]
+        if not k:
+            drafts = [[]] * len(slots)
+        elif draft.host is not None:
+            drafts = draft.host
+        else:  # the model's: a free row's are only counted by the walk, a constrained row's are dropped unread
+            drafts = [[] if row in self.guide.matchers else [0] * n for row, n in zip(rows, draft.lengths)]
         draft.lengths, masks = self.guide.walk(rows, drafts, self.eos_set, k + 1)
         return masks.to(self.device, non_blocking=True)
 

@@ -19,6 +19,8 @@ import stat
 from pathlib import Path
 from typing import Iterable
 
+import pyarrow as pa
+
 from .errors import InputError, one_line
 
 
@@ -247,3 +249,19 @@ def write_text_stream_atomic(out: Path, texts: Iterable[str]) -> None:
             f.write(text.encode("utf-8"))
 
     replace_atomic(Path(out), write)
+
+
+@contextlib.contextmanager
+def reading_parquet(path: Path):
+    """Whatever reading the Parquet file ``path`` raises, as an InputError naming it."""
+    try:
+        yield
+    except PermissionError:
+        raise InputError(f"{path}: permission denied (cannot read the file)") from None
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -1,5 +1,5 @@
-"""Reading prompts: a JSON lines or Parquet prompts file as an `InputTable`, the per-row settings read from its
-columns, and the tool's own output files read back (`verify`, `stats`).
+"""Reading prompts: a JSON lines or Parquet prompts file as an `InputTable` (the per-row settings read from its
+columns are `row_settings`; the tool's own output files, read back, are `outputs`).
 
 Input is JSON lines (`.jsonl`, `.ndjson`) or Parquet (`.parquet`, `.pq`). Every failure a
 user can cause with a bad file is an `InputError` whose one-line message names the file
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +29,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import constraints
-from .config import MAX_TOP_LOGPROBS, GenerateConfig
-from .constraints import Constraint
 from .errors import InputError
-from .files import check_readable_file
-from .outputs import EXTRA_OUTPUT_COLUMNS, METADATA_KEY, OUTPUT_COLUMNS
+from .files import check_readable_file, reading_parquet
+from .outputs import EXTRA_OUTPUT_COLUMNS, OUTPUT_COLUMNS
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -156,7 +152,8 @@ class InputTable:
     prompts: Sequence[Prompt]  # [rows] a plain string, or chat messages [{"role", "content"}]; "" for a row in errors
     ids: Sequence[str]  # [rows] the row's id as a string (a file's: ``Ids``, an Arrow array)
     # Only for inputs that carry their own per-row requests (an OpenAI batch file, see openai_batch):
-    overrides: dict[str, list] = field(default_factory=dict)  # setting -> [rows] value or None (as row_overrides)
+    # setting -> [rows] value or None (as row_settings.row_overrides)
+    overrides: dict[str, list] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
     endpoints: list[str] | None = None  # [rows] "/v1/chat/completions" | "/v1/completions"
     # column -> [rows] its values as the input wrote them, for the columns `table` holds as JSON text (a JSONL
@@ -544,19 +541,8 @@ def _json_kind(value: Any) -> str:
     return "a number"
 
 
-@contextmanager
-def _reading_parquet(path: Path):
-    """Whatever reading the Parquet file ``path`` raises, as an InputError naming it."""
-    try:
-        yield
-    except PermissionError:
-        raise InputError(f"{path}: permission denied (cannot read the file)") from None
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise InputError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
-
-
 def _read_parquet(path: Path, limit: int | None) -> pa.Table:
-    with _reading_parquet(path), open(path, "rb") as f:
+    with reading_parquet(path), open(path, "rb") as f:
         table = pq.read_table(f)
     if limit is not None:
         table = table.slice(0, limit)
@@ -568,15 +554,15 @@ def _store_parquet(path: Path, limit: int | None, store: Path) -> tuple[StoredTa
     leaves them, and the values as written of the columns it made text."""
     written: dict[str, list] = {}
     left = limit
-    with _reading_parquet(path):
+    with reading_parquet(path):
         f = open(path, "rb")
     with f:
-        with _reading_parquet(path):
+        with reading_parquet(path):
             found = pq.ParquetFile(f)
             batches = found.iter_batches(batch_size=CHUNK_ROWS)
         with pq.ParquetWriter(store, _storable_schema(found.schema_arrow)) as writer:
             while left is None or left > 0:
-                with _reading_parquet(path):
+                with reading_parquet(path):
                     batch = next(batches, None)
                 if batch is None:
                     break
@@ -585,11 +571,6 @@ def _store_parquet(path: Path, limit: int | None, store: Path) -> tuple[StoredTa
                 table, written = _storable(pa.Table.from_batches([batch]), written)
                 writer.write_table(table)
     return StoredTable(store), written
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def parse_prompt(value: Any, column: str) -> Prompt:
@@ -672,141 +653,4 @@ def check_unique(ids: list[str], path: Path, column: str) -> None:
         raise InputError(f"{path}: duplicate ids in column '{column}': {shown}{more}")
 
 
-# ---------------------------------------------------------------------------- the tool's own files, read back
-
-
-def read_run_metadata(path: Path) -> dict:
-    """The `metadata` dict given to write_completions / write_stats."""
-    path = Path(path)
-    check_readable_file(path)
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise InputError(f"{path}: not a valid Parquet file ({_first_line(e)})") from None
-    raw = (schema.metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise InputError(f"{path}: no batchspec run metadata (not written by batchspec?)")
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise InputError(f"{path}: batchspec run metadata is not valid JSON") from None
-
-
-def read_completions(path: Path) -> pa.Table:
-    """A completions file as written by write_completions."""
-    path = Path(path)
-    check_readable_file(path)
-    return _read_parquet(path, None)
-
-
-# ---------------------------------------------------------------------------- per-row settings from input columns
-
-
-def row_value(values: list | None, row: int, default):
-    """A per-row override's value for ``row`` (``row_overrides``), or ``default`` where it has none."""
-    if values is None or values[row] is None:
-        return default
-    return values[row]
-
-
-OVERRIDES = {  # name -> (config attribute naming the column, type, smallest value, flag)
-    "temperature": ("temperature_column", float, 0.0, "--temperature-column"),
-    "seed": ("seed_column", int, None, "--seed-column"),
-    "max_new_tokens": ("max_new_tokens_column", int, 1, "--max-new-tokens-column"),
-    "top_p": ("top_p_column", float, 0.0, "--top-p-column"),  # in (0, 1]: 0 itself is refused below
-    "logprobs": ("logprobs_column", int, 0, "--logprobs-column"),
-}
-LARGEST = {"logprobs": MAX_TOP_LOGPROBS}  # overrides with an upper bound
-
-
-def setting_columns(cfg: GenerateConfig) -> list[str]:
-    """The input columns the per-row settings read (--temperature-column ... --stop-column,
-    --response-format-column)."""
-    named = [getattr(cfg, attr) for attr, *_ in OVERRIDES.values()] + [cfg.stop_column, cfg.response_format_column]
-    return [column for column in named if column is not None]
-
-
 TEXT_COLUMNS = "text_columns"  # a bucket directory's setting: the columns it holds as JSON text (InputTable.written)
-
-
-def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
-    """Per-row temperature / seed / max_new_tokens / top_p / logprobs / stop strings from input columns, read from
-    the values as the input wrote them (a list stays a list in a column that mixes kinds); InputError on a bad cell.
-    """
-    out = {}
-    for name, (attr, kind, smallest, flag) in OVERRIDES.items():
-        column = getattr(cfg, attr)
-        if column is None:
-            continue
-        if column not in inp.table.column_names:
-            raise InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
-        values = []
-        for i, value in enumerate(inp.values(column)):
-            if value is None or (isinstance(value, float) and value != value):
-                values.append(None)
-                continue
-            number = _as_number(value, kind)
-            largest = LARGEST.get(name)
-            if number is None or (smallest is not None and number < smallest) \
-                    or (largest is not None and number > largest) or (name == "top_p" and not 0 < number <= 1):
-                bound = (" in (0, 1]" if name == "top_p" else
-                         f"{'' if smallest is None else f' >= {smallest:g}'}"
-                         f"{'' if largest is None else f' and <= {largest:g}'}")
-                raise InputError(f"{cfg.input}: row {i + 1}: column {column!r} must be "
-                                 f"{'a number' if kind is float else 'an integer'}{bound}, got {value!r}")
-            values.append(number)
-        out[name] = values
-    if cfg.stop_column is not None:
-        out["stop"] = stop_cells(inp, cfg.stop_column, cfg.input)
-    if cfg.response_format_column is not None:
-        out["response_format"] = response_format_cells(inp, cfg.response_format_column, cfg.input)
-    return out
-
-
-def _as_number(value: Any, kind: type) -> int | float | None:
-    """A JSON number as ``kind`` (any integer for int: a seed of 2**70 too; an integral float is one), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if kind is int:
-        if isinstance(value, int):
-            return value
-        return int(value) if math.isfinite(value) and value.is_integer() else None
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond any float
-        return None
-    return number if math.isfinite(number) else None
-
-
-def stop_cells(inp: InputTable, column: str, source) -> list[tuple[str, ...]]:
-    """Per-row stop strings from a column of strings or lists of strings, as written (null: none of its own)."""
-    if column not in inp.table.column_names:
-        raise InputError(f"{source}: --stop-column names column {column!r}, which is not in the input")
-    out = []
-    for i, value in enumerate(inp.values(column)):
-        stops = () if value is None else (value,) if isinstance(value, str) else value
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
-            raise InputError(f"{source}: row {i + 1}: column {column!r} must be a non-empty string or a list "
-                             f"of them, got {value!r}")
-        out.append(tuple(stops))
-    return out
-
-
-def response_format_cells(inp: InputTable, column: str, source) -> list[Constraint | None]:
-    """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
-    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
-    if column not in inp.table.column_names:
-        raise InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
-                             f"input")
-    out = []
-    for value in inp.values(column):  # as written (a JSON object stays an object)
-        if value is None:
-            out.append(None)
-            continue
-        try:
-            constraint = constraints.from_response_format(value)
-            error = constraints.problem(constraint) if constraint is not None else None
-        except constraints.ConstraintError as exc:
-            error = str(exc)
-        out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)
-    return out

@@ -3,7 +3,9 @@
 ``Generation.open(cfg)`` validates everything that can be validated before any work
 (flags, input file, output path, model paths, vocabularies), takes the output's lock and
 raises ``UsageError`` with a one-line message; what it decided is one ``plan.JobPlan`` (the
-input, the models, the buckets, the rows an interrupted run saved). ``events()`` then
+input, what it needs of the models, the buckets, the rows an interrupted run saved). A single
+process then builds its engine (``assembly.assemble``); under ``--ray`` the workers build theirs
+and this process loads no model. ``events()`` then
 streams events (engine events plus ``Started``, ``BucketDone``, ``Interrupted``) while
 finished rows are saved to checkpoint parts; ``finish()`` writes the completions and
 statistics files atomically and removes the work directory; ``close()`` releases the lock
@@ -41,6 +43,7 @@ from . import merge
 from . import models
 from . import openai_batch
 from . import outputs
+from .assembly import Assembly, RunsOn, assemble
 from .bucket_progress import BucketDone, BucketProgress
 from .checkpoint import CheckpointError, LockHeld, WorkDir
 from .config import AUTO, GenerateConfig, UsageError, os_error_message, settings_record, validate
@@ -48,13 +51,15 @@ from .engine import Engine, pool_window
 from .errors import InputError
 from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
-from .inputs import StoredTable, id_array, row_value
-from .plan import JobPlan, plan_job, release_free_memory
+from .inputs import StoredTable, id_array
+from .plan import JobPlan, plan_job, release_free_memory, start_job
+from .row_settings import row_value
 from .samples import SAMPLE_COLUMN
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
-"""Requests in, engine events (``RowResult``, ``StepStats``, anything else passed through) out."""
+"""Requests in, engine events (``RowResult``, ``StepStats``; ``RunsOn``: how the engine that ran them runs; anything
+else passed through) out."""
 
 __all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "StepNumbering", "metadata",
            "work_dir_for"]
@@ -121,20 +126,20 @@ class StepNumbering:
         return stats
 
 
-def metadata(cfg: GenerateConfig, plan: JobPlan) -> dict:
-    """What the output files record of the job (their Parquet schema metadata)."""
-    model = plan.target.model
-    measured = cfg.batch_size == AUTO and plan.engine is not None and plan.engine.width_rates is not None
-    batch = plan.engine.batch_size if measured else cfg.batch_size  # auto: the width this process measured
+def metadata(cfg: GenerateConfig, plan: JobPlan, runs_on: RunsOn | None) -> dict:
+    """What the output files record of the job (their Parquet schema metadata). ``runs_on``: how the engine ran (a
+    Ray job's first worker's); None when no engine ran in this run (a resumed Ray job with no row left): the
+    settings as given."""
+    runs_on = runs_on or RunsOn(kernels=cfg.kernels, dtype=cfg.dtype, device=cfg.device)
+    batch = runs_on.batch_size or cfg.batch_size  # --batch-size auto: the width the engine measured
     return {
         "batchspec_version": __version__, "torch_version": torch.__version__,
         "transformers_version": _transformers_version(),
-        **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft.name if plan.draft else None,
+        **settings_record(cfg, "metadata", target=plan.target_name, draft=plan.draft_name,
                           mode=plan.mode, window=pool_window(batch, cfg.window) if batch != AUTO else None,
-                          batch_size=batch, kernels=plan.kernels,
-                          dtype=str(model.dtype).removeprefix("torch."), device=str(model.device)),
-        "dtype_reason": plan.target.dtype_reason, "target_source": plan.target.source, "draft_source": plan.draft.source if plan.draft else None,
-        "drafters": (["model"] if plan.draft else []) + list(plan.lookup_names),
+                          batch_size=batch, kernels=runs_on.kernels, dtype=runs_on.dtype, device=runs_on.device),
+        "dtype_reason": runs_on.dtype_reason, "target_source": plan.target.source, "draft_source": plan.draft_source,
+        "drafters": (["model"] if plan.draft_spec else []) + list(plan.lookup_names),
         "eos_token_ids": plan.eos_ids, "resumed_rows": plan.resumed_rows,
         **({"logprobs_distribution": lp.DESCRIPTIONS[cfg.logprobs_mode]} if plan.wants_logprobs else {}),
         **({"constraint": {"kind": plan.constraint.kind, "text": plan.constraint.text}} if plan.constraint else {}),
@@ -147,8 +152,8 @@ class _Unsaved:
     rows, ``MOST_TOKENS`` of their completion tokens (long rows, each perhaps with its logprobs, are
     held no more than 32 rows of 512 tokens were) or ``checkpoint_seconds`` since the previous one.
     Every ``RELEASE_SECONDS`` a save also hands the memory the decode freed back to the system: the C
-    heap keeps freed chunks between live ones, and over a long job its resident size crept with the
-    rows (40k rows of the scale benchmark: +32 MB over the decode, +9 MB with this; ~3-20 ms a time)."""
+    heap keeps freed chunks between live ones, and over a long job its resident size would creep with the
+    rows (docs/history.md, "Figures once kept in the code")."""
 
     RELEASE_SECONDS = 10.0
     MOST_TOKENS = 16384
@@ -181,13 +186,16 @@ class _Unsaved:
 
 
 class Generation:
-    """A job being run: its ``plan`` (fixed at ``open``) and what the run adds to it — which rows are done
+    """A job being run: its ``plan`` (fixed at ``open``), this process's engine (``assembly``; None under
+    ``--ray``, whose workers build their own) and what the run adds to them — which rows are done
     (``done``: a row's number, never its completion), the checkpoint parts not yet written (``_Unsaved``),
     the buckets done (``BucketProgress``). A row reaches disk in a checkpoint part and leaves memory; the
     finish streams the parts into the output files."""
 
-    def __init__(self, cfg: GenerateConfig, work: WorkDir, plan: JobPlan, threads_before: int | None = None):
-        self.cfg, self.work, self.plan = cfg, work, plan
+    def __init__(self, cfg: GenerateConfig, work: WorkDir, plan: JobPlan, assembly: Assembly | None = None,
+                 threads_before: int | None = None):
+        self.cfg, self.work, self.plan, self.assembly = cfg, work, plan, assembly
+        self.runs_on = assembly.runs_on if assembly is not None else None  # a Ray job's: its first worker's
         self.done = np.zeros(plan.total_rows, dtype=bool)  # [rows] saved, or finished by this run
         self.done[plan.resumed] = True
         self.done[[r.row for r in plan.announce]] = True
@@ -216,6 +224,10 @@ class Generation:
         try:
             try:
                 plan = plan_job(cfg, work)
+                assembly = None
+                if not cfg.distributed:  # this process runs the engine; under --ray each worker builds its own
+                    assembly = assemble(cfg, plan.mode, plan.draft_spec, list(plan.lookup_names), quiet=cfg.quiet)
+                start_job(cfg, work, plan)
             except LockHeld as exc:
                 raise UsageError(f"{cfg.output} is being written by another batchspec run"
                                  f"{f' (pid {exc.pid})' if exc.pid else ''}; wait for it to finish, or remove "
@@ -227,7 +239,7 @@ class Generation:
         except BaseException:
             _release(work, threads_before)
             raise
-        return cls(cfg, work, plan, threads_before)
+        return cls(cfg, work, plan, assembly, threads_before)
 
     def __enter__(self) -> "Generation":
         return self
@@ -344,11 +356,13 @@ class Generation:
         return saved
 
     def engine(self) -> Engine:
-        """This process's engine (the plan's), taught the saved rows of an interrupted run once."""
+        """This process's engine, taught the saved rows of an interrupted run once."""
+        if self.assembly is None:
+            raise RuntimeError("this job's engines run on its Ray workers (distributed.RayExecutor)")
         if not self._preloaded:
-            self.plan.engine.preload(self.preloads())
+            self.assembly.engine.preload(self.preloads())
             self._preloaded = True
-        return self.plan.engine
+        return self.assembly.engine
 
     def stop(self, signal: int | None = None) -> None:
         """Ask the run to end after the current step (safe to call from a signal handler)."""
@@ -364,13 +378,18 @@ class Generation:
         engine; ``distributed.RayExecutor.run`` spreads them over workers). Events of other types
         that it yields (a worker's progress) are passed through unrecorded."""
         plan = self.plan
-        yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=list(plan.notes),
+        notes = list(plan.notes) + (self.assembly.notes if self.assembly is not None else [])
+        runs_on = self.assembly.runs_on if self.assembly is not None else None  # Ray: each worker decides
+        yield Started(total_rows=plan.total_rows, mode=plan.mode, notes=notes,
                       resumed_rows=plan.resumed_rows, work_dir=str(self.work.path),
-                      dtype=str(plan.target.model.dtype).removeprefix("torch."), dtype_reason=plan.target.dtype_reason)
+                      dtype=runs_on.dtype if runs_on else "", dtype_reason=runs_on.dtype_reason if runs_on else "")
         yield from plan.announce  # prompt errors: already recorded and saved
         stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done_rows))
         try:
             for event in stream:
+                if isinstance(event, RunsOn):  # a Ray worker's: the metadata records the first
+                    self.runs_on = self.runs_on or event
+                    continue
                 if isinstance(event, StepStats):
                     event = self._steps(event)
                 if isinstance(event, (RowResult, StepStats)):
@@ -444,7 +463,7 @@ class Generation:
         if missing:
             raise RuntimeError(f"{missing} rows have no result")
         began = time.perf_counter()
-        meta = metadata(cfg, plan)
+        meta = metadata(cfg, plan, self.assembly.runs_on if self.assembly is not None else self.runs_on)
         self.work.mark_finishing()
         merge.regroup(self.work.part_paths("rows"), self.work.fresh_merge(), plan.total_rows)
         release_free_memory()  # what regrouping freed, before the ranges are written

@@ -20,10 +20,9 @@ faster), so a bfloat16 layer packs from one row up to ``MAX_ROWS_BF16``.
 Memory per input size: oneDNN builds (JIT-compiles) a kernel for every distinct input size it sees
 and keeps it in two caches (ideep's and oneDNN's own, 1,024 entries each), at about 0.25 MB per
 kernel, even for a 16-wide layer. An unbounded range of sizes (a prefill of rows x prompt length)
-would fill both caches as a job runs: a 20k-row job's C heap grew by 65 MB, and went on growing with
-the rows. ``MAX_ROWS`` bounds the sizes to ``MAX_ROWS - min_rows + 1`` per layer shape; above it
-oneDNN is no faster than MKL (0.96-1.06x at 128-1024 rows, 0.66-0.87x at 8-64; SmolLM2's layer
-shapes, one thread). That still allows 63 kernels per layer shape (about 0.6 MB each at SmolLM2's
+would fill both caches as a job runs, and the C heap would grow with the rows. ``MAX_ROWS`` bounds the
+sizes to ``MAX_ROWS - min_rows + 1`` per layer shape; above it oneDNN is no faster than MKL (docs/history.md,
+"Figures once kept in the code"). That still allows 63 kernels per layer shape (about 0.6 MB each at SmolLM2's
 shapes): ``bound_caches`` caps both caches at ``CACHE_ENTRIES`` for the process (more than a round's
 working set, a few sizes per layer shape), so what they hold no longer depends on the job. oneDNN
 reads the caps when the process first uses it: ``bound_caches`` must run before ``prepack``, and
@@ -49,9 +48,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-# One row: MKL's matrix-vector path is as fast (0.93-1.08x oneDNN's time at 1-2 threads); from two rows on oneDNN
-# is much faster: 2-3 rows cost 0.54-0.74x the stock time at batch 1, 4-8 rows x 1 token 0.65-0.66x
-# (SmolLM2-135M, 2-core CPU, benchmarks/verify_cost.py; docs/performance.md).
+# One row: MKL's matrix-vector path is as fast; from two rows on oneDNN is much faster (benchmarks/verify_cost.py;
+# docs/history.md, "Figures once kept in the code").
 DEFAULT_MIN_ROWS = 2
 # Larger inputs run MKL: as fast there, and oneDNN's per-size kernels stay bounded (see the module docstring).
 MAX_ROWS = 64

@@ -68,7 +68,7 @@ class PromptLookup:
 
     Defaults ``min_n=2, max_n=4``: a single shared token (",", " the") says little about what
     follows and a wrong draft costs nearly a full token of compute at batch 8-16 on the CPU
-    (docs/performance.md); two tokens already pin down copy spans, and beyond four the longer key rarely
+    (docs/history.md); two tokens already pin down copy spans, and beyond four the longer key rarely
     changes which occurrence is chosen (vLLM's documented ``prompt_lookup_max`` is 4).
 
     Structure: a trie over the text read *backwards*, cut at depth ``max_n``. The node

@@ -26,11 +26,12 @@ from . import outputs
 
 MIN_RANGE_ROWS = 4096  # rows per range (one row group of OUT), unless the job has more than MAX_RANGES of them
 MAX_RANGES = 256
-BUFFER_BYTES = 4 << 20  # rows held between writes to merge/ (16 MiB: +59 MB at 1M rows against 10k, 4 MiB: +0)
+BUFFER_BYTES = 4 << 20  # rows held between writes to merge/: what the finish holds does not grow with the rows
 COMPACT_TABLES = 64  # small tables held together are copied into one: each costs far more than its rows' bytes
 PIECE_BYTES = 4096  # what a small table held costs beside its rows' bytes (its objects and buffers), counted
 STATS_GROUP_ROWS = 8192  # steps per row group of the statistics file: a group is held, compacted and encoded at
-# once (~270 B a step), so its size is the finish's own peak (65,536: +35 MB from 4k to 40k rows)
+# once (~270 B a step), so its size is the finish's own peak (the sizes tried: docs/history.md, "Figures once kept
+# in the code")
 
 
 def range_rows(total_rows: int) -> int:

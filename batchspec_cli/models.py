@@ -408,6 +408,41 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder), dtype_reason=dtype_reason)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a job needs of a model besides running it, read without its weights: what the Ray driver, which runs
+    no model, tokenizes, checks and records with (``describe``)."""
+
+    name: str  # as LoadedModel.name
+    source: str  # as LoadedModel.source
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int  # the token ids the model takes: [0, vocab_size)
+    context: int | None  # max_position_embeddings; None when the config names none
+    eos_ids: list[int]  # as eos_ids() of the loaded model
+
+
+def describe(spec: str | None, quiet: bool = False) -> ModelFacts:
+    """A model's facts from its config, generation config and tokenizer; its config is vetted as ``load_model``
+    vets it (``check_supported``)."""
+    from transformers import GenerationConfig
+
+    name, folder = _resolve(spec, quiet)
+    with _quiet(quiet):
+        config = _supported_config(name, folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            # what from_pretrained gives the loaded model: the file when there is one, else the config's values
+            generation = GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file() \
+                else GenerationConfig.from_model_config(config)
+        except Exception as exc:
+            raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
+    text = config.get_text_config(decoder=True)
+    context = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+    eos = _eos_union(generation, config, tokenizer)
+    return ModelFacts(name=name, source=str(folder), tokenizer=tokenizer, vocab_size=int(text.vocab_size),
+                      context=context, eos_ids=eos)
+
+
 # --------------------------------------------------------------------------- drafts that borrow from the target
 
 SHARED_DRAFT_FILE = "batchspec_draft.json"
@@ -483,14 +518,15 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
 
 
-def check_draft(spec: str, target: LoadedModel, quiet: bool = False) -> tuple[str, Path]:
+def check_draft(spec: str, target: LoadedModel | None, quiet: bool = False) -> tuple[str, Path]:
     """(display name, local directory) of a draft for ``target``, vetted without reading its weights: its config
     must be supported, and a shared-embedding draft must have been trained against ``target``'s embeddings
-    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used)."""
+    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used).
+    Without a loaded target (the Ray driver) the embeddings are compared where the target loads (every worker)."""
     name, folder = _resolve(spec, quiet)
     with _quiet(quiet):
         config = _supported_config(name, folder)
-    if (folder / SHARED_DRAFT_FILE).is_file():
+    if target is not None and (folder / SHARED_DRAFT_FILE).is_file():
         try:
             meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
         except Exception as exc:
@@ -555,9 +591,12 @@ def _as_list(value: int | list[int] | None) -> list[int]:
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Sorted union of the generation config's, the model config's and the tokenizer's EOS ids."""
-    generation = getattr(model, "generation_config", None)
+    return _eos_union(getattr(model, "generation_config", None), model.config, tokenizer)
+
+
+def _eos_union(generation, config: PreTrainedConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ids = set(_as_list(getattr(generation, "eos_token_id", None)))
-    ids |= set(_as_list(getattr(model.config, "eos_token_id", None)))
+    ids |= set(_as_list(getattr(config, "eos_token_id", None)))
     ids |= set(_as_list(tokenizer.eos_token_id))
     return sorted(ids)
 

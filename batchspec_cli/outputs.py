@@ -1,4 +1,5 @@
-"""What the tool writes: the completions file, the statistics file and the checkpoint parts.
+"""What the tool writes: the completions file, the statistics file and the checkpoint parts, and how `verify` and
+`stats` read the first two back.
 
 Outputs are Parquet files written atomically (files.replace_atomic); the run configuration
 travels in the schema metadata under the key `batchspec`. Each output row is one input row,
@@ -16,8 +17,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .errors import InputError
 from .events import RowResult, StepStats, TokenLogprob
-from .files import replace_atomic
+from .files import check_readable_file, first_line, reading_parquet, replace_atomic
 
 OUTPUT_COLUMNS: tuple[str, ...] = (
     "id",
@@ -266,3 +268,31 @@ def _write_atomic(out: Path, table: pa.Table, metadata: dict | None) -> None:
         encoded = json.dumps(metadata, default=str, sort_keys=True).encode("utf-8")
         table = table.replace_schema_metadata({METADATA_KEY: encoded})
     replace_atomic(out, lambda f: pq.write_table(table, f))
+
+
+# ---------------------------------------------------------------------------- the tool's own files, read back
+
+
+def read_run_metadata(path: Path) -> dict:
+    """The `metadata` dict given to write_completions / write_stats."""
+    path = Path(path)
+    check_readable_file(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a valid Parquet file ({first_line(e)})") from None
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise InputError(f"{path}: no batchspec run metadata (not written by batchspec?)")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InputError(f"{path}: batchspec run metadata is not valid JSON") from None
+
+
+def read_completions(path: Path) -> pa.Table:
+    """A completions file as written by write_completions."""
+    path = Path(path)
+    check_readable_file(path)
+    with reading_parquet(path), open(path, "rb") as f:
+        return pq.read_table(f)

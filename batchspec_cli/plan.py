@@ -1,14 +1,19 @@
 """What opening a `generate` job decides, once, before any row runs: one frozen ``JobPlan``.
 
 ``plan_job(cfg, work)`` reads as its four steps: check the output paths and take the
-output's lock (``work``); read the input (bad input fails before any model loads); load the
-tokenizers (a mismatched draft is refused before its weights load), the models and the
-engine (``assembly.assemble``); then either resume this job's interrupted run (its saved
-rows and steps, its length buckets, made again when damaged), refuse another job's work (a
-different fingerprint), or tokenize every prompt into length buckets in the work directory;
-last, keep the input's columns in the work directory (``JobPlan.passthrough``): a prompts file's rows
-went there as they were read, a chunk at a time; an open job holds the ids (one Arrow array), not the
-input. ``job.Generation`` runs the plan.
+output's lock (``work``); read the input (bad input fails before any model is read); read
+what the job needs of its models without their weights (``models.describe``: the tokenizer,
+the vocabulary, the context, the EOS ids; a mismatched draft is refused here); then either
+resume this job's interrupted run (its saved rows and steps, its length buckets, made again
+when damaged), refuse another job's work (a different fingerprint), or tokenize every prompt
+into length buckets in the work directory; last, keep the input's columns in the work
+directory (``JobPlan.passthrough``): a prompts file's rows went there as they were read, a
+chunk at a time; an open job holds the ids (one Arrow array), not the input.
+
+A plan holds settings and facts, never a model or an engine: whoever runs the engine builds it
+(``assembly.assemble``: ``job.Generation`` in a single process, each ``distributed.Worker`` under
+Ray), so a Ray driver reads, buckets and routes rows without loading a model. ``start_job``
+then makes the job resumable, once its engine (if this process runs one) is built.
 """
 
 from __future__ import annotations
@@ -34,18 +39,17 @@ from . import drafters
 from . import models
 from . import openai_batch
 from . import sources
-from .assembly import LazyDraft, assemble
 from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
 from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, bucket_rows, settings_record,
                      tokenizer_settings)
 from .constraints import Constraint
-from .engine import Engine
 from .errors import InputError
 from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
-from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array, row_overrides, setting_columns
+from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
 from .outputs import stats_path_for
 from .prompts import render_chunks
+from .row_settings import row_overrides, setting_columns
 from .samples import SAMPLE_COLUMN, Samples, job_samples, n_cells
 
 @dataclass(frozen=True)
@@ -56,23 +60,21 @@ class JobPlan:
     output_format: str  # parquet | openai (sources.output_format)
     inp: InputTable  # the rows in input order (a bucket directory's: ids and columns, no prompts)
     input_hash: str
-    overrides: dict[str, list]  # setting -> [rows] value or None (inputs.row_overrides and the input's own)
+    overrides: dict[str, list]  # setting -> [rows] value or None (row_settings.row_overrides and the input's own)
     wants_logprobs: bool  # any row asks for log-probabilities (--logprobs, --logprobs-column, an OpenAI request)
     mode: str  # the mode run: --mode, or ar when nothing can draft
-    target_name: str
-    target: models.LoadedModel
-    draft: LazyDraft | None  # named now, its weights loaded when the engine first uses them
-    draft_spec: str | None  # the draft model's spec a distributed worker loads; None without a draft
+    target: models.ModelFacts  # read without its weights
+    draft_spec: str | None  # the draft model's spec the engine loads (assembly.assemble); None without a draft
+    draft_name: str | None  # its display name and resolved directory (the fingerprint's, the metadata's)
+    draft_source: str | None
     lookup_names: tuple[str, ...]  # model-free drafters (drafters.NAMES)
-    eos_ids: list[int]
-    kernels: str  # the kernels that run: stock | packed (assembly.use_kernels)
-    engine: Engine  # built by assembly.assemble, the one place a job's engine is built
-    notes: tuple[str, ...]  # for the user (a fallback, a kernel that cannot apply, a discarded part)
+    notes: tuple[str, ...]  # for the user (a fallback, a discarded part)
     bucket_dir: Path | None = None  # the length buckets the rows are read from (the work directory's, or the input)
     manifest: Manifest | None = None
     # [saved rows] the rows an interrupted run of this job saved, by number (their completions stay in its parts)
     resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_step: int = 0  # the highest step number the interrupted run saved
+    resuming: bool = False  # an interrupted run of this job is resumed: its work directory is resumable already
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
     constraint: Constraint | None = None  # the job's --json-schema / --regex / --choice / --json (rows may differ)
     # the input's columns in input order (WorkDir.keep_input / keep_read_input): OUT's passthrough columns, read
@@ -94,8 +96,16 @@ class JobPlan:
         return len(self.resumed)
 
     @property
+    def target_name(self) -> str:
+        return self.target.name
+
+    @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self.target.eos_ids
 
 
 def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
@@ -104,21 +114,21 @@ def fingerprint(cfg: GenerateConfig, plan: JobPlan) -> dict:
     schema = {"json_schema": plan.constraint.text} if cfg.json_schema is not None else {}
     return {**settings_record(cfg, "fingerprint", input=plan.input_hash, mode=plan.mode,
                               target=model_signature(plan.target.name, plan.target.source),
-                              draft=model_signature(plan.draft.name, plan.draft.source) if plan.draft else None,
+                              draft=model_signature(plan.draft_name, plan.draft_source) if plan.draft_spec
+                              else None,
                               **schema),
             "rows": plan.input_rows}
 
 
 def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
-    """Check the output and take the lock, read the input, load the models and build the engine, then resume
-    this job's saved work or tokenize the prompts into length buckets: everything ``Generation`` needs, decided
-    once."""
+    """Check the output and take the lock, read the input and what the job needs of its models (no weights), then
+    resume this job's saved work or tokenize the prompts into length buckets: everything ``Generation`` needs,
+    decided once. ``start_job`` makes a new job resumable."""
     constraint = job_constraint(cfg)  # a bad schema or regex is refused before anything is read
     stats_path, saved_job = _check_output(cfg, work)
     try:
         source = _read_input(cfg, work)  # before any model is loaded: bad input fails fast
-        release_free_memory()  # what reading parsed and freed goes back before the models load on top of it
-        plan = _load(cfg, stats_path, source, constraint)
+        plan = _describe(cfg, stats_path, source, constraint)
         # Resume the interrupted run of this very job, refuse another job's work, or start afresh.
         if saved_job is not None:
             changes = describe_changes(saved_job["fingerprint"], fingerprint(cfg, plan), FINGERPRINT_LABELS)
@@ -126,7 +136,7 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
                 raise UsageError(f"{cfg.output}: an interrupted run of this output used other settings "
                                  f"({'; '.join(changes)}); rerun it as it was to resume, or pass --restart "
                                  f"to discard its work")
-            return _keep_input(work, _resume(cfg, work, plan))
+            return _keep_input(work, dataclasses.replace(_resume(cfg, work, plan), resuming=True))
         if plan.bucket_dir is None:
             plan = _make_buckets(cfg, work, plan)
         plan = _keep_input(work, plan)
@@ -136,9 +146,17 @@ def plan_job(cfg: GenerateConfig, work: WorkDir) -> JobPlan:
         except (CheckpointError, OSError):
             pass
         raise
+    return plan
+
+
+def start_job(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> None:
+    """Make a new job resumable: its prompt errors saved, then its fingerprint (a resumed job's stands already).
+    Called once whatever can refuse the job before it starts (its engine, where this process builds one) has
+    passed: a job refused before this leaves no work directory behind."""
+    if plan.resuming:
+        return
     work.save_part(list(plan.announce), [])  # saved before the job exists: resumable means complete
     work.start_job(fingerprint(cfg, plan), plan.total_rows)
-    return plan
 
 
 def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
@@ -159,8 +177,8 @@ def _keep_input(work: WorkDir, plan: JobPlan) -> JobPlan:
 
 def release_free_memory() -> None:
     """Hand the memory that reading, tokenizing and bucketing freed back to the system (Arrow's pool and the C
-    heap keep freed memory for reuse, and the job's later peaks would stand on top of it): at 100k rows of
-    the scale benchmark, 577 MB resident after bucketing, 468 MB after this."""
+    heap keep freed memory for reuse, and the job's later peaks would stand on top of it; docs/history.md,
+    "Figures once kept in the code")."""
     pa.default_memory_pool().release_unused()
     try:
         ctypes.CDLL(None).malloc_trim(0)  # glibc; elsewhere there is no such call and nothing to do
@@ -229,9 +247,9 @@ def _read_input(cfg: GenerateConfig, work: WorkDir) -> _Source:
                    {**row_overrides(inp, cfg), **({"n": counts} if counts is not None else {}), **inp.overrides})
 
 
-def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Constraint | None) -> JobPlan:
-    """Choose the drafters, check the tokenizers (cheap: a mismatched draft is refused before any weights load),
-    then load the models and build the engine (``assembly.assemble``)."""
+def _describe(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Constraint | None) -> JobPlan:
+    """Choose the drafters, check the tokenizers and the draft's config, and read the target's facts: no weights
+    are read (``assembly.assemble`` loads them where the engine runs)."""
     notes = []
     constrained = constraint is not None or cfg.response_format_column is not None \
         or any(source.overrides.get("response_format") or ())  # an OpenAI batch's own response_format
@@ -242,25 +260,25 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
         mode = "ar"
     if mode == "ar":
         draft_spec, lookup_names = None, []
+    draft_name = draft_source = None
     if draft_spec is not None:
         models.check_draft_vocab(cfg.target, draft_spec)
+        draft_name, folder = models.check_draft(draft_spec, None, quiet=cfg.quiet)  # the embeddings: assemble's
+        draft_source = str(folder)
 
-    loaded = assemble(cfg, mode, draft_spec, lookup_names, quiet=cfg.quiet)
-    target_name = loaded.target.name
-    notes += loaded.notes
+    target = models.describe(cfg.target, quiet=cfg.quiet)
     inp, overrides = source.inp, source.overrides
     if source.bucket_dir is not None:
-        inp, overrides = _read_bucket_dir(cfg, source.manifest, target_name, loaded.target)
-    notes += openai_batch.model_notes(inp, target_name)
+        inp, overrides = _read_bucket_dir(cfg, source.manifest, target)
+    notes += openai_batch.model_notes(inp, target.name)
     samples = job_samples(cfg, len(inp.ids), overrides.get("n"))
     if samples.written and SAMPLE_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: input column {SAMPLE_COLUMN!r} clashes with the output's sample column "
                          f"(--n, --n-column); rename it")
     return JobPlan(
         stats_path=stats_path, output_format=source.output_format, inp=inp, input_hash=source.input_hash,
-        overrides=overrides, mode=mode, target_name=target_name, target=loaded.target, draft=loaded.draft,
-        draft_spec=draft_spec, lookup_names=tuple(lookup_names), eos_ids=loaded.eos_ids, kernels=loaded.kernels,
-        engine=loaded.engine, notes=tuple(notes),
+        overrides=overrides, mode=mode, target=target, draft_spec=draft_spec, draft_name=draft_name,
+        draft_source=draft_source, lookup_names=tuple(lookup_names), notes=tuple(notes),
         wants_logprobs=cfg.logprobs is not None or any(v is not None for v in overrides.get("logprobs") or ()),
         bucket_dir=source.bucket_dir, manifest=source.manifest, constraint=constraint, samples=samples)
 
@@ -317,11 +335,11 @@ def _drafters(cfg: GenerateConfig, constrained: bool = False) -> tuple[str | Non
     return None, ["suffix"] + grammar
 
 
-def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
-                     target: models.LoadedModel) -> tuple[InputTable, dict[str, list]]:
+def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest,
+                     target: models.ModelFacts) -> tuple[InputTable, dict[str, list]]:
     """A bucket directory as input: its rows (in input order), ids and per-row overrides."""
     recorded = {"allow_special_tokens": False, **manifest.settings}  # recorded only when given
-    settings = {"allow_special_tokens": False, **tokenizer_settings(cfg, target_name)}
+    settings = {"allow_special_tokens": False, **tokenizer_settings(cfg, target.name)}
     mismatched = {key: (recorded.get(key), value) for key, value in settings.items()
                   if key != "id_column" and recorded.get(key) != value}
     if mismatched:
@@ -333,7 +351,7 @@ def _read_bucket_dir(cfg: GenerateConfig, manifest: Manifest, target_name: str,
         raise UsageError(f"{cfg.input}: column {as_text[0]!r} mixes kinds of values (strings and lists, say), and a "
                          f"bucket directory keeps it as text; give `generate` the prompts file itself")
     table = read_all_rows(cfg.input, manifest)
-    check_token_ids(table.column(PROMPT_IDS_COLUMN), target.model.get_input_embeddings().num_embeddings, cfg.input)
+    check_token_ids(table.column(PROMPT_IDS_COLUMN), target.vocab_size, cfg.input)
     id_column = manifest.settings.get("id_column", "id")
     ids = [str(v) for v in table.column(id_column).to_pylist()] if id_column in table.column_names \
         else [str(v) for v in table.column(ROW_COLUMN).to_pylist()]
@@ -366,9 +384,9 @@ def _make_buckets(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
     return dataclasses.replace(plan, bucket_dir=work.buckets, manifest=manifest, announce=failed)
 
 
-def _prompt_token_limit(cfg: GenerateConfig, target: models.LoadedModel) -> tuple[int | None, str]:
+def _prompt_token_limit(cfg: GenerateConfig, target: models.ModelFacts) -> tuple[int | None, str]:
     """The most tokens a prompt may have (the model's context less one, --max-prompt-tokens), and its name."""
-    context = int(getattr(target.model.config, "max_position_embeddings", 0) or 0) or None
+    context = target.context
     limits = [(context - 1, f"the model's context of {context} tokens")] if context else []
     if cfg.max_prompt_tokens is not None:
         limits.append((cfg.max_prompt_tokens, f"--max-prompt-tokens {cfg.max_prompt_tokens}"))

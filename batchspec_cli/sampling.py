@@ -17,8 +17,8 @@ So a sampled row is a function of (seed, id, prompt, target, sampling settings) 
 same under any mode, draft, k schedule, batch or window (bit for bit in float64; up to float
 near-ties in float32, as greedy rows). Acceptance is somewhat below standard rejection
 sampling: at least (1 - d) / (1 + d) against 1 - d, d the total variation between warped q
-and p (``benchmarks/acceptance.py`` measures both; on Spec-Bench at T = 0.7 / top-p 0.9 with
-the shipped draft, 0.333 against 0.353: not enough to keep a second rule).
+and p (``benchmarks/acceptance.py`` measures both; the gap was too small to keep a second rule:
+docs/history.md, "Figures once kept in the code").
 
 Shapes: ``B`` rows, ``n`` positions, ``V`` vocabulary. Nothing here syncs with the host
 when the callers pass the filter flags they know (``warp_probs``' ``filters``).

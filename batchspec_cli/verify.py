@@ -27,9 +27,12 @@ import torch
 
 from . import models
 from . import sampling
+from .config import DEFAULT
 from .errors import InputError
-from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt, read_completions, read_run_metadata
+from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt
+from .outputs import read_completions, read_run_metadata
 from .prompts import render_prompt
+from .row_settings import OVERRIDES, row_value
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
 DEFAULT_UNITS = 4.0  # a margin within this many units of the dtype's rounding is a near-tie (docs/design.md)
@@ -84,8 +87,11 @@ def _model_spec(meta: dict, key: str) -> str | None:
     return name
 
 
-def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = 0,
-               device: str = "auto", dtype: str | None = None, progress=None,
+SAMPLE_SEED = 0  # which rows --sample picks, by default
+
+
+def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT_TOLERANCE, seed: int = SAMPLE_SEED,
+               device: str = DEFAULT.device, dtype: str | None = None, progress=None,
                units: float = DEFAULT_UNITS) -> VerifyReport:
     """Re-decode ``sample`` rows (all when None) of the completions file at ``path``, in the dtype the run used
     (its metadata), unless ``dtype`` says otherwise."""
@@ -98,7 +104,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     if missing:
         raise InputError(f"{path}: not a batchspec completions file (no column {', '.join(map(repr, missing))}"
                          f"{'; it looks like a statistics file' if 'group_kind' in table.column_names else ''})")
-    loaded = models.load_model(_model_spec(meta, "target"), dtype or meta.get("dtype", "auto"), device, quiet=True)
+    settings = RunSettings(meta, table)
+    loaded = models.load_model(_model_spec(meta, "target"), dtype or settings.run("dtype"), device, quiet=True)
     model, tokenizer = loaded.model, loaded.tokenizer
     eos = list(meta.get("eos_token_ids") or models.eos_ids(model, tokenizer))
     rows = table.to_pylist()
@@ -106,7 +113,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     skipped = len(rows) - len(candidates)
     if sample is not None and sample < len(candidates):
         candidates = sorted(random.Random(seed).sample(candidates, sample))
-    prompt_column = meta.get("prompt_column", "prompt")
+    prompt_column = settings.run("prompt_column")
     if prompt_column not in table.column_names:
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,
@@ -117,12 +124,12 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
             prompt = parse_prompt(r[prompt_column], prompt_column)
         except BadPrompt as exc:
             raise InputError(f"{path}: row {i + 1}: {exc}") from None
-        prompt_ids = render_prompt(tokenizer, prompt, bool(meta.get("chat", True)), meta.get("system"),
-                                   bool(meta.get("allow_special_tokens", False)))
+        prompt_ids = render_prompt(tokenizer, prompt, bool(settings.run("chat")), settings.run("system"),
+                                   bool(settings.run("allow_special_tokens")))
         run = list(r["completion_token_ids"])
-        noise = _noise_for(meta, r, len(prompt_ids), model.device)
+        noise = _noise_for(settings, i, r, len(prompt_ids), model.device)
         mask = _mask_for(meta, r, tokenizer, eos, model.config.vocab_size, len(prompt_ids))
-        ref, logits = _decode(model, prompt_ids, int(_row_setting(meta, r, "max_new_tokens", 256)), eos, noise, mask)
+        ref, logits = _decode(model, prompt_ids, int(settings.value("max_new_tokens", i)), eos, noise, mask)
         report.checked += 1
         mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance, units, model.dtype)
         if mismatch is None:
@@ -134,13 +141,23 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     return report
 
 
-def _row_setting(meta: dict, row: dict, name: str, default):
-    """A run setting for one row: its per-row column when the run used one, else the run's value."""
-    column = meta.get(f"{name}_column")
-    if column and row.get(column) is not None:
-        return row[column]
-    value = meta.get(name)
-    return default if value is None else value
+class RunSettings:
+    """The run's sampling settings as its metadata records them (a setting it does not record: the default every
+    command shares, ``config.DEFAULT``) and the per-row columns it read them from (``row_settings.row_value``)."""
+
+    def __init__(self, meta: dict, table):
+        self.meta = meta
+        self.columns = {name: table.column(meta[attr]).to_pylist() for name, (attr, *_) in OVERRIDES.items()
+                        if meta.get(attr) and meta[attr] in table.column_names}  # name -> [rows] value or None
+
+    def run(self, name: str):
+        """The run's value of a setting."""
+        value = self.meta.get(name)
+        return getattr(DEFAULT, name) if value is None else value
+
+    def value(self, name: str, row: int):
+        """A setting's value for one row: its per-row column's when it has one, else the run's."""
+        return row_value(self.columns.get(name), row, self.run(name))
 
 
 class KeyedGumbel:
@@ -160,14 +177,15 @@ class KeyedGumbel:
         return probs.log() + sampling.gumbel(sampling.noise_base(self.key, position)[..., None], vocab)[:, 0]
 
 
-def _noise_for(meta: dict, row: dict, prompt_len: int, device) -> KeyedGumbel | None:
-    temperature = float(_row_setting(meta, row, "temperature", 0.0))
+def _noise_for(settings: RunSettings, i: int, row: dict, prompt_len: int, device) -> KeyedGumbel | None:
+    temperature = float(settings.value("temperature", i))
     if temperature <= 0:
         return None
-    seed = int(_row_setting(meta, row, "seed", 0))
+    seed = int(settings.value("seed", i))
+    meta = settings.meta
     sample = int(row[meta["sample_column"]]) if meta.get("sample_column") else 0  # --n: the row's sample number
     return KeyedGumbel(sampling.row_key(seed, str(row["id"]), sample), prompt_len, temperature,
-                       int(meta.get("top_k") or 0), float(_row_setting(meta, row, "top_p", 1.0)), device)
+                       int(settings.value("top_k", i)), float(settings.value("top_p", i)), device)
 
 
 class GrammarMask:

@@ -34,10 +34,10 @@ def test_auto_that_never_speculates_never_loads_the_draft(tmp_path, tiny_model_d
     draft at its first admission. Both write ar's completions."""
     plain, _, _ = run(tmp_path, "ar", tiny_model_dir, None, "ar")
     auto, job, steps = run(tmp_path, "auto", tiny_model_dir, tiny_draft_dir, "auto")
-    assert job.plan.draft is not None and job.plan.draft.loaded is None
-    assert job.plan.engine.draft is None and not any(s.k for s in steps if s.group_kind != "prefill")
+    assert job.assembly.draft is not None and job.assembly.draft.loaded is None
+    assert job.assembly.engine.draft is None and not any(s.k for s in steps if s.group_kind != "prefill")
     eqspec, job, steps = run(tmp_path, "eqspec", tiny_model_dir, tiny_draft_dir, "eqspec")
-    assert job.plan.draft.loaded is not None and any(s.k for s in steps)
+    assert job.assembly.draft.loaded is not None and any(s.k for s in steps)
     assert auto == plain and eqspec == plain
 
 
@@ -55,8 +55,20 @@ def test_a_draft_that_does_not_fit_is_refused_before_the_job_starts(tmp_path, ti
     cfg = GenerateConfig(input=inp, output=tmp_path / "out.parquet", target=str(tiny_model_dir),
                          draft=str(tiny_model_dir) + "," + "suffix", mode="auto", quiet=True)
     with Generation.open(cfg) as job:  # a draft that fits opens
-        assert job.plan.draft.loaded is None
+        assert job.assembly.draft.loaded is None
     with pytest.raises((UsageError, models.ModelError)):
         Generation.open(GenerateConfig(input=inp, output=tmp_path / "out2.parquet", target=str(tiny_model_dir),
                                        draft=str(bad), quiet=True))
     assert not (tmp_path / "out2.parquet").exists()
+
+
+def test_a_models_facts_read_without_weights_are_the_loaded_models(tiny_model_dir, tiny_draft_dir):
+    """What a plan (and a Ray driver) knows of a model without its weights agrees with the loaded model: the EOS
+    ids the engine stops on, the vocabulary its embeddings take, the context and the names the files record."""
+    for folder in (tiny_model_dir, tiny_draft_dir):
+        facts = models.describe(str(folder), quiet=True)
+        loaded = models.load_model(str(folder), "float64", quiet=True)
+        assert facts.eos_ids == models.eos_ids(loaded.model, loaded.tokenizer)
+        assert facts.vocab_size == loaded.model.get_input_embeddings().num_embeddings
+        assert facts.context == loaded.model.config.max_position_embeddings
+        assert (facts.name, facts.source) == (loaded.name, loaded.source)

@@ -20,7 +20,8 @@ from batchspec_cli import files, inputs
 from batchspec_cli.events import RowResult
 from batchspec_cli.errors import InputError
 from batchspec_cli.files import check_output_path
-from batchspec_cli.inputs import read_completions, read_input, read_run_metadata
+from batchspec_cli.inputs import read_input
+from batchspec_cli.outputs import read_completions, read_run_metadata
 from batchspec_cli.outputs import (OUTPUT_COLUMNS, results_from_table, results_table, stats_from_table, stats_path_for,
                                    stats_table, write_completions, write_stats)
 from batchspec_cli.prompts import render_prompt

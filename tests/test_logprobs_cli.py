@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchspec_cli.inputs import read_run_metadata
+from batchspec_cli.outputs import read_run_metadata
 from batchspec_cli.outputs import LOGPROBS_TYPE, results_from_table, results_table
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig

@@ -2,7 +2,7 @@
 
 On one local Ray instance (started once for the module, always shut down) with the tiny
 saved models in float64: the output equals a single-process run, greedy and sampled, with
-the same schema and metadata; a bad row becomes an error row; a worker killed mid-job
+the same schema and metadata, while the driver loads no model; a bad row becomes an error row; a worker killed mid-job
 (SIGKILL of the actor's process, which Ray restarts and whose blocks it runs again) leaves
 every row exactly once; a driver SIGKILLed mid-job resumes from its checkpoint parts and
 equals the uninterrupted output.
@@ -184,16 +184,34 @@ def log_events(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, models, prompts, tmp_path_factory):
-    """Single-process and --ray runs, greedy and sampled: {(name, 'single'|'ray'): (out, log)}."""
+    """Single-process and --ray runs, greedy and sampled: {(name, 'single'|'ray'): (out, log)}; under
+    ('loaded', name, how) the models this process (the driver of a --ray run) loaded, counted."""
+    from batchspec_cli import models as model_loading
+
     root = tmp_path_factory.mktemp("ray_runs")
     done = {}
     for name, extra in (("greedy", ()), ("sampled", SAMPLED)):
         for how, more in (("single", ()), ("ray", RAY)):
             out, log = root / f"{name}-{how}.parquet", root / f"{name}-{how}.log.jsonl"
-            result = generate(prompts, out, *flags(models, *extra, *more), "--log-json", log)
+            loaded = []
+            with pytest.MonkeyPatch.context() as patch:  # this process only: Ray's workers are other processes
+                for function in ("load_model", "load_draft"):
+                    real = getattr(model_loading, function)
+                    patch.setattr(model_loading, function,
+                                  lambda *a, _real=real, _name=function, **k: loaded.append(_name) or _real(*a, **k))
+                result = generate(prompts, out, *flags(models, *extra, *more), "--log-json", log)
             assert result.exit_code == 3, result.output  # the bad row: exit 3, every other row written
             done[name, how] = (out, log)
+            done["loaded", name, how] = loaded
     return done
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_the_ray_driver_loads_no_model(runs, name):
+    """The driver reads, buckets and routes the rows with the tokenizer and the settings; the workers load the
+    models (the single process, its own worker, loads the target). Its rows: the next test."""
+    assert runs["loaded", name, "ray"] == []
+    assert "load_model" in runs["loaded", name, "single"]
 
 
 @pytest.mark.parametrize("name", ["greedy", "sampled"])

@@ -11,8 +11,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from batchspec_cli.assembly import RunsOn
 from batchspec_cli.cli import app
 from batchspec_cli.samples import Samples
+from batchspec_cli import config
 from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
 from batchspec_cli.job import Generation, metadata
 from batchspec_cli.plan import fingerprint
@@ -37,6 +39,44 @@ def test_generate_options_and_config_fields_correspond_one_to_one():
         assert default == defaults[s.field], s
 
 
+def test_every_command_takes_a_settings_default_from_its_one_home():
+    """`bucket` and `verify` options that are `generate` settings default to GenerateConfig's value (config.DEFAULT),
+    and share generate's flag; --min-rows is the batch size's default, verify's own defaults are verify.py's."""
+    from batchspec_cli import verify
+
+    commands = typer.main.get_command(app).commands
+    by_setting = {s.name: s for s in settings()}
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateConfig)}
+    for name in ("bucket", "verify"):
+        own = {"seed"} if name == "verify" else set()  # verify's --seed picks the sample: not the run's seed
+        shared = [p for p in commands[name].params
+                  if p.name in by_setting and p.name not in own and p.param_type_name == "option"]
+        assert len(shared) >= (8 if name == "bucket" else 3), name
+        for param in shared:
+            setting = by_setting[param.name]
+            assert param.default == defaults[setting.field], (name, param.name)
+            assert setting.label.split("/")[0] in param.opts, (name, param.opts)
+    bucket = {p.name: p for p in commands["bucket"].params}
+    assert bucket["min_rows"].default == config.bucket_rows(config.DEFAULT) == 8  # --batch-size auto: 8-row buckets
+    options = {p.name: p for p in commands["verify"].params}
+    assert (options["tolerance"].default, options["seed"].default) == (verify.DEFAULT_TOLERANCE, verify.SAMPLE_SEED)
+
+
+def test_a_bad_setting_gets_one_message_from_every_command(tmp_path):
+    """The bucket-width and limit checks live in config.validate, for generate and bucket alike."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a"}\n')
+    for flag, value, message in (("--bucket-width", "0", "--bucket-width must be positive, got 0"),
+                                 ("--limit", "0", "--limit must be a positive integer, got 0")):
+        outputs = []
+        for command in (["generate", str(inp), str(tmp_path / "o.parquet")], ["bucket", str(inp), str(tmp_path / "b")]):
+            result = CliRunner().invoke(app, [*command, flag, value])
+            assert result.exit_code == 2, result.output
+            outputs.append(" ".join(result.output.split()))
+        assert all(message in out for out in outputs), outputs
+    assert not (tmp_path / "b").exists() and not (tmp_path / "o.parquet").exists()
+
+
 def test_the_cli_builds_the_config_from_every_option(monkeypatch):
     seen = {}
 
@@ -53,7 +93,7 @@ def test_the_cli_builds_the_config_from_every_option(monkeypatch):
     assert (cfg.input, cfg.output, cfg.k, cfg.stop, cfg.chat, cfg.window, cfg.top_p, cfg.seed_column,
             cfg.checkpoint_rows, cfg.threads) == (Path("in.jsonl"), Path("out.parquet"), 3, ("x", "yz"), False, 7,
                                                   0.5, "s", 2, 1)
-    assert cfg.mode == "auto" and cfg.max_new_tokens == 256 and cfg.batch_size == 8
+    assert cfg.mode == "auto" and cfg.max_new_tokens == 256 and cfg.batch_size == "auto"
 
 
 OLD_LABELS = {
@@ -85,13 +125,14 @@ def a_job(draft: bool) -> SimpleNamespace:
                          id_column="i", chat=False, system="sys", stop=("a", "b"), dtype="float64", device="cpu",
                          limit=5, temperature=0.7, top_k=4, top_p=0.9, seed=11, temperature_column="tc",
                          seed_column="sc", max_new_tokens_column="mc", threads=1, bucket_width=3)
-    model = SimpleNamespace(dtype=torch.float64, device=torch.device("cpu"))
     return SimpleNamespace(cfg=cfg, constraint=None, input_hash="sha256:00", total_rows=5, input_rows=5,
                            samples=Samples(5), mode="ar" if not draft else "eqspec",
-                           target=SimpleNamespace(name="t", source="/nonexistent/t", model=model), target_name="t",
+                           target=SimpleNamespace(name="t", source="/nonexistent/t"), target_name="t",
                            draft=SimpleNamespace(name="d", source="/nonexistent/d") if draft else None,
+                           draft_spec="d" if draft else None, draft_name="d" if draft else None,
+                           draft_source="/nonexistent/d" if draft else None,
                            eos_ids=[1, 2], resumed_rows=2, lookup_names=["suffix"], wants_logprobs=False,
-                           kernels="packed")
+                           runs_on=RunsOn(kernels="packed", dtype="float64", device="cpu"))
 
 
 def old_fingerprint(job) -> dict:
@@ -134,10 +175,10 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
     for draft in (True, False):
         job = a_job(draft)
         assert fingerprint(job.cfg, job) == old_fingerprint(job)  # an old work directory still resumes
-        meta, old = metadata(job.cfg, job), old_metadata(job)
+        meta, old = metadata(job.cfg, job, job.runs_on), old_metadata(job)
         assert {key: meta[key] for key in old} == old  # the old keys keep their values
         # added with the model-free drafters, --kernels, then the inputs of issue 28
-        assert set(meta) - set(old) == {"drafters", "kernels", "output_format"} | RECENT
+        assert set(meta) - set(old) == {"drafters", "kernels", "output_format", "dtype_reason"} | RECENT
         assert meta["drafters"] == (["model"] if draft else []) + ["suffix"] and meta["kernels"] == "packed"
 
 

@@ -171,7 +171,9 @@ def test_speculation_equals_reference(target, draft, references, mode, batch, k,
                   policy=policy)
     for i, r in results.items():
         assert r.token_ids == references[i], (i, cycle(i).kind)
-    assert sum(r.drafted_tokens for r in results.values()) > 0
+    drafted = sum(r.drafted_tokens for r in results.values())
+    # a constrained row takes no draft model's drafts (they stay on the device: Engine._constrain)
+    assert drafted == 0 if names == ["model"] else drafted > 0
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -217,6 +219,9 @@ def test_unconstrained_rows_alongside(target, draft):
     mixed = run(target, prompts, lambda i: None if i % 2 else cycle(i), mode="exspec", batch=6, k=3, draft=draft)
     for i in range(1, 6, 2):
         assert mixed[i].token_ids == free[i].token_ids
+    # the model drafts for the free rows of a mixed group; the constrained rows take none of its drafts
+    assert sum(mixed[i].drafted_tokens for i in range(1, 6, 2)) > 0
+    assert all(mixed[i].drafted_tokens == 0 for i in range(0, 6, 2))
     assert any(t >= len(TOKENIZER) for r in free.values() for t in r.token_ids), "padding ids occur unmasked"
     for i in range(0, 6, 2):
         assert mixed[i].token_ids == constrained_reference(target, prompts[i], cycle(i), 40)
@@ -383,7 +388,7 @@ def test_fingerprint_holds_the_constraint(tmp_path):
     def fp(**kw):
         cfg = GenerateConfig(input=tmp_path / "in.jsonl", output=tmp_path / "out.parquet", **kw)
         model = SimpleNamespace(name="m", source=str(tmp_path / "no-model"))
-        plan = SimpleNamespace(input_hash="h", mode="ar", target=model, draft=None, total_rows=1,
+        plan = SimpleNamespace(input_hash="h", mode="ar", target=model, draft_spec=None, total_rows=1, input_rows=1,
                                constraint=job_constraint(cfg))
         return fingerprint(cfg, plan)
 
