@@ -59,6 +59,13 @@ class Admission:
             self.held_back = self._pull()
             self.exhausted = self.held_back is None
 
+    def peek(self) -> Request | None:
+        """The next request, read ahead and held back for the next chunk; None when the stream has ended."""
+        if self.held_back is None and not self.exhausted:
+            self.held_back = self._pull()
+            self.exhausted = self.held_back is None
+        return self.held_back
+
     @property
     def done(self) -> bool:
         """Every request has been read and handed out."""

@@ -543,6 +543,9 @@ def stats_command(
         steps = sum(overall.k_histogram.values())
         console.print("k per decode step: " + ", ".join(f"k={k}: {n} ({100 * n / steps:.0f} %)"
                                                        for k, n in overall.k_histogram.items()), highlight=False)
+    if overall.reuse_share is not None:
+        console.print(f"prompt tokens: {overall.prompt_prefilled} prefilled, {overall.prompt_reused} reused from "
+                      f"shared prefixes (reuse share {100 * overall.reuse_share:.1f} %)", highlight=False)
     if overall.expected_gain is not None:
         console.print(f"auto: expected gain {overall.expected_gain:.2f}x, realised {overall.realised_gain:.2f}x "
                       f"(tokens per second over the modelled plain step's)", highlight=False)

@@ -126,6 +126,10 @@ class StepStats:
     total_ms: float  # the whole round, its preparation included
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
+    # prefill steps: prompt tokens the target computed (a shared prefix's new columns once, then each row's own
+    # tokens), and prompt tokens whose KV a row took from a shared prefix instead (``prefix``); 0 for rounds
+    prompt_prefilled: int = 0
+    prompt_reused: int = 0
     trace: PolicyTrace = field(default_factory=PolicyTrace)  # the policy's trace of the round
 
     def record(self) -> dict:

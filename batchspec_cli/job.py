@@ -49,6 +49,7 @@ from .events import Request, RowResult, Sampling, StepStats
 from .files import write_text_stream_atomic
 from .inputs import StoredTable, id_array, row_value
 from .plan import JobPlan, plan_job, release_free_memory
+from .prefix import neighbours
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
@@ -240,7 +241,9 @@ class Generation:
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
-        """The rows still to generate, bucket by bucket; rows failing --max-prompt-tokens go to _prompt_errors."""
+        """The rows still to generate, bucket by bucket, in token order within each batch of a bucket read (rows that
+        share a prompt prefix come together: ``prefix.neighbours``); rows failing --max-prompt-tokens go to
+        _prompt_errors."""
         cfg, plan = self.cfg, self.plan
         temperature, seed, max_new, top_p, stops, logprobs, formats = (
             plan.overrides.get(name) for name in ("temperature", "seed", "max_new_tokens", "top_p", "stop", "logprobs",
@@ -254,7 +257,7 @@ class Generation:
                 current = bucket.index
             rows = batch.column(ROW_COLUMN).to_pylist()
             ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
-            for row, prompt in zip(rows, ids):
+            for row, prompt in neighbours(rows, ids):
                 if row >= plan.total_rows:  # a bucket directory's row beyond --limit
                     continue
                 if saved[row]:  # saved by an interrupted run (its drafters' lessons: preloads)
