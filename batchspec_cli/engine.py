@@ -38,7 +38,8 @@ One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), t
 (``_round``) choose k, 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then
 the policy observes the round's ``RoundReport``, and the round returns its ``RoundOutcome``
 (its ``StepStats`` and finished rows), which ``run`` yields. Which requests enter the pool,
-and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s. Exactly one host sync per
+and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s (rows that share a prompt
+prefix take its KV from ``prefix.PrefixStore`` and prefill their own suffixes only). Exactly one host sync per
 round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
@@ -317,8 +318,11 @@ class Engine:
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
+        columns = end + max(limits) + self.max_k + 1
+        if not self.table.target.n_layers:  # the run's first rows: room for the next buckets (each <= 10 % longer)
+            columns += columns // 8
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
-            self.pool.reserve(slots, end + max(limits) + self.max_k + 1)
+            self.pool.reserve(slots, columns)
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
