@@ -8,8 +8,9 @@ same ``n`` tokens prefilled alone from position 0 (DESIGN.md §16). Hence:
   most a batch of one length bucket) and against the prefix kept from earlier admissions
   (``share_groups``). Rows whose first ``min_tokens`` tokens are equal form a group; a group of
   two or more rows shares its longest common prefix, a lone row what it has in common with the
-  kept prefix or with the next row to come. The job hands rows to the engine in token order within each batch it reads of a
-  bucket (``neighbours``), so rows that share a prefix are admitted together.
+  kept prefix or with the next row to come. The job hands rows to the engine in token order
+  within each batch it reads of a bucket (``neighbours``), so rows that share a prefix are
+  admitted together.
 - **How its KV is shared**: ``PrefixStore`` computes a prefix once per model in a one-row
   cache, then it is *copied* into each row's slot at that row's own content offset
   (``align.SlotTable.share_prefix``): the slot layout keeps each row's content contiguous after
