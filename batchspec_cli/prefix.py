@@ -17,9 +17,9 @@ same ``n`` tokens prefilled alone from position 0 (DESIGN.md §16). Hence:
   its own padding, so a row's columns cannot point at one shared copy. Each row's own suffix is
   then prefilled by one forward per group, from the first column where every row of the group
   has its prefix (a row with more padding recomputes a few of its own prefix columns).
-- **Memory budget**: the store keeps the *last* prefix only, one row of each model's KV, at most
-  ``max_tokens`` columns: as much as one more slot of that length (the pool holds at least a
-  batch of them). Later chunks of the bucket, and later buckets, reuse it without computing it
+- **Memory budget**: the store keeps the *last* prefix only, of at most ``max_tokens`` tokens: one
+  row of each model's KV, as much as one more slot of that length (the pool holds at least a
+  batch of them; the row's buffer grows as a slot's does, geometrically, when a prefix is extended). Later chunks of the bucket, and later buckets, reuse it without computing it
   again; a chunk with another prefix replaces it (the columns both share stay).
 - A prefix shorter than ``min_tokens`` is not shared: copying and the extra forward would cost
   about what they save.
