@@ -60,7 +60,7 @@ class Admission:
             self.exhausted = self.held_back is None
 
     def peek(self) -> Request | None:
-        """The next request, read ahead and held back for the first chunk (None: no requests)."""
+        """The next request, read ahead and held back for the next chunk; None when the stream has ended."""
         if self.held_back is None and not self.exhausted:
             self.held_back = self._pull()
             self.exhausted = self.held_back is None

@@ -139,6 +139,11 @@ class SlotCache:
         return self.length + query_length, 0
 
     # -- buffer management ------------------------------------------------------------
+    def allocate_like(self, other: "SlotCache") -> None:
+        """Allocate every layer's buffers (none allocated yet) shaped like ``other``'s, before any forward."""
+        for keys, values in zip(other.keys, other.values):
+            self._allocate(keys, values)
+
     def _allocate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """One layer's buffers, each shaped like its own tensor (keys and values may differ in width: MLA)."""
         for buffers, like in ((self.keys, keys), (self.values, values)):
@@ -339,6 +344,38 @@ class SlotTable:
 
     def free(self, slot: int) -> None:
         self.live = [s for s in self.live if s != slot]
+
+    def share_prefix(self, source: SlotCache, draft: bool, slots: list[int], lengths: list[int]) -> int:
+        """Copy the first ``lengths[i]`` columns of ``source``'s one row (a shared prefix's KV, ``prefix``) into
+        the target's (or the draft's) cache of slot ``slots[i]``, at that row's own content offset: columns
+        ``[pad, pad + lengths[i])``. One gather and one scatter per layer. The draft's reach advances to the end of
+        what it got. Returns the columns copied (summed over rows)::
+
+            source (prefix alone):  a b c d e f
+            slot, pad 2, length 4:  . . a b c d (its own suffix follows, prefilled from column 6 on)
+        """
+        cache = self.draft if draft else self.target
+        pairs = [(s, n) for s, n in zip(slots, lengths) if n > 0]
+        if not pairs or source.n_layers == 0:
+            return 0
+        device = self.layout.tokens.device
+        rows, counts = [s for s, _ in pairs], [n for _, n in pairs]
+        total = sum(counts)
+        cache.grow(max(self.pad[s] + n for s, n in pairs), rows=max(rows) + 1)
+        if cache.n_layers == 0:
+            cache.allocate_like(source)
+        counts_t = device_tensor(counts, device)
+        row = torch.repeat_interleave(torch.arange(len(pairs), device=device), counts_t, output_size=total)
+        src_col = torch.arange(total, device=device) - (torch.cumsum(counts_t, 0) - counts_t)[row]
+        dst_col = device_tensor([self.pad[s] for s in rows], device)[row] + src_col
+        dst_row, src_row = device_tensor(rows, device)[row], torch.zeros_like(row)
+        for buffers, sources in ((cache.keys, source.keys), (cache.values, source.values)):
+            for layer, prefix in zip(buffers, sources):
+                layer[dst_row, :, dst_col] = prefix[src_row, :, src_col]  # [total, kv_heads, head_dim]
+        if draft:
+            for s, n in pairs:
+                self.draft_end[s] = max(self.draft_end[s], self.pad[s] + n)
+        return total
 
     def reserve(self, slots: list[int], columns: int) -> None:
         """Room for rows about to be placed in ``slots``, which can reach ``columns`` columns.

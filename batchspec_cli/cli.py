@@ -591,13 +591,12 @@ def stats_command(
         steps = sum(overall.k_histogram.values())
         console.print("k per decode step: " + ", ".join(f"k={k}: {n} ({100 * n / steps:.0f} %)"
                                                        for k, n in overall.k_histogram.items()), highlight=False)
+    if overall.reuse_share is not None:
+        console.print(f"prompt tokens: {overall.prompt_prefilled} prefilled, {overall.prompt_reused} reused (shared "
+                      f"prefixes, --n samples): reuse share {100 * overall.reuse_share:.1f} %", highlight=False)
     if overall.expected_gain is not None:
         console.print(f"auto: expected gain {overall.expected_gain:.2f}x, realised {overall.realised_gain:.2f}x "
                       f"(tokens per second over the modelled plain step's)", highlight=False)
-    if overall.reuse_share is not None:
-        console.print(f"prompt tokens: {overall.prefilled_tokens} prefilled, {overall.reused_tokens} reused from "
-                      f"another sample of their row (--n): reuse share {100 * overall.reuse_share:.1f} %",
-                      highlight=False)
     for arm, a in overall.arms.items():
         windows = ", ".join(f"{rate:.1f}" for rate in a.windows) or "none closed"
         console.print(f"auto arm {arm}: ran {a.seconds:.1f} s in {a.rounds} rounds; its windows measured "

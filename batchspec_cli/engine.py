@@ -38,7 +38,8 @@ One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), t
 (``_round``) choose k, 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then
 the policy observes the round's ``RoundReport``, and the round returns its ``RoundOutcome``
 (its ``StepStats`` and finished rows), which ``run`` yields. Which requests enter the pool,
-and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s. Exactly one host sync per
+and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s (rows that share a prompt
+prefix take its KV from ``prefix.PrefixStore`` and prefill their own suffixes only). Exactly one host sync per
 round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
 """
 
@@ -65,6 +66,7 @@ from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats,
 from .grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
+from .prefix import MAX_TOKENS, MIN_TOKENS, PrefixStore, share_groups
 from .stops import StopChecker
 
 _RUNNING, _STOP, _LENGTH, _STOP_STRING, _BROKEN = 0, 1, 2, 3, 4  # _BROKEN: non-finite logits
@@ -90,6 +92,9 @@ class EngineConfig:
     # best (control.choose_width), within kv_memory bytes of KV (None: KV_MEMORY_SHARE of the memory free then).
     auto_width: bool = False
     kv_memory: int | None = None
+    # rows that share a prompt prefix at least this long take its KV instead of computing it (prefix.py); 0: never
+    prefix_min: int = MIN_TOKENS
+    prefix_max: int = MAX_TOKENS  # the kept prefix's most columns (its memory: one row of each model's KV)
 
 
 def pool_window(batch_size: int, window: int | None = None) -> int:
@@ -177,11 +182,21 @@ def prefill_chunks(slots: list[int], columns: int, most: int = PREFILL_TOKENS) -
     """The forwards that prefill ``columns`` columns of ``slots``: (rows, first column, end column), each at most
     ``most`` tokens (rows x columns). Rows go in groups of ``most // columns``; a row longer than ``most`` alone, in
     column chunks, each chunk attending to the columns cached before it (as a decode step does)."""
-    rows_per = max(1, most // max(1, columns))
+    if columns <= 0:
+        return
+    rows_per = max(1, most // columns)
     step = columns if rows_per > 1 else min(columns, most)
     for i in range(0, len(slots), rows_per):
         for start in range(0, columns, step):
             yield slots[i : i + rows_per], start, min(columns, start + step)
+
+
+def _by_start(slots: list[int], starts: dict[int, int]) -> list[tuple[int, list[int]]]:
+    """(start column, the slots that start there), by start column."""
+    groups: dict[int, list[int]] = {}
+    for s in slots:
+        groups.setdefault(starts[s], []).append(s)
+    return sorted(groups.items())
 
 
 def _contiguous_first(free: list[int], n: int) -> list[int]:
@@ -232,6 +247,8 @@ class Engine:
         if policy is None:
             policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
         self.policy: Policy = policy
+        # The last shared prompt prefix's KV (both models): it outlives a run, so the next run's rows reuse it too.
+        self.prefixes = PrefixStore(cfg.prefix_max)
 
     # ------------------------------------------------------------------ public
     def run(self, requests: Iterable[Request]) -> Iterator[RowResult | StepStats]:
@@ -403,8 +420,11 @@ class Engine:
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
+        columns = end + max(limits) + self.max_k + 1
+        if not self.table.target.n_layers:  # the run's first rows: room for the next buckets (each <= 10 % longer)
+            columns += columns // 8
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
-            self.pool.reserve(slots, end + max(limits) + self.max_k + 1)
+            self.pool.reserve(slots, columns)
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
@@ -422,11 +442,12 @@ class Engine:
         prefill_started = time.perf_counter()
         donors = self._donors(slots)  # samples of an input row whose prompt KV another slot holds or will
         fresh = [s for s in slots if s not in donors]
-        errors = self._prefill(fresh, end) if fresh else []
+        starts, computed, reused = self._share_prefixes([r for s, r in zip(slots, chunk) if s not in donors], fresh)
+        errors = self._prefill(fresh, end, starts) if fresh else []
         lost = [s for s, d in donors.items() if not self.table.is_live(d)]  # a donor that did not fit was freed
         if lost:
             donors = {s: d for s, d in donors.items() if s not in lost}
-            errors += self._prefill(lost, end)
+            errors += self._prefill(lost, end, dict.fromkeys(lost, 0))
             fresh += lost
         copied = self._share_prompts(donors, draft=False)
         self._sync()
@@ -443,8 +464,8 @@ class Engine:
         yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=0,
                         kv_gathered=copied, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms,
-                        prefilled_tokens=sum(prompt[s] for s in fresh),
-                        reused_tokens=sum(prompt[s] for s in donors))
+                        prompt_prefilled=computed + sum(prompt[s] for s in fresh) - reused,
+                        prompt_reused=reused + sum(prompt[s] for s in donors))
         yield from errors
 
     def _donors(self, slots: list[int]) -> dict[int, int]:
@@ -481,34 +502,100 @@ class Engine:
             self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab, self.table.draft)
         return self.model_drafter
 
-    def _prefill(self, slots: list[int], end: int) -> list[RowResult]:
-        """Fill the target cache of new rows; on out-of-memory, prefill the halves one after the other.
+    def _share_prefixes(self, chunk: list[Request], slots: list[int]) -> tuple[dict[int, int], int, int]:
+        """Give the admitted rows that share a prompt prefix its target KV (``prefix``), computed once.
+
+        Returns (the column each slot's prefill starts at, the prefix columns computed now, the prompt tokens the
+        rows took from the prefix). A group's rows start at the first column where each of them has its prefix;
+        only the columns before it are copied. Out of memory: nothing is shared (the store is dropped)."""
+        starts = dict.fromkeys(slots, 0)
+        if self.cfg.prefix_min <= 0:
+            return starts, 0, 0
+        table, store, prompts = self.table, self.prefixes, [r.prompt_ids for r in chunk]
+        computed, reused = 0, 0
+        ahead = self.admission.peek()  # the next row: a lone row's prefix is worth computing apart when it shares it
+        try:
+            for group in share_groups(prompts, store.tokens, self.cfg.prefix_min, self.cfg.prefix_max,
+                                      ahead=ahead.prompt_ids if ahead is not None else None):
+                store.hold(group.prefix)
+                members = [slots[i] for i in group.rows]
+                lengths = [min(store.match(prompts[i]), len(prompts[i]) - 1) for i in group.rows]
+                computed += store.cover("target", self.target.model, self.target.cache_kwarg, max(lengths),
+                                        self.device)
+                start = min(table.pad[s] + n for s, n in zip(members, lengths))
+                copied = [max(0, start - table.pad[s]) for s in members]
+                table.share_prefix(store.caches["target"], False, members, copied)
+                reused += sum(copied)
+                starts.update(dict.fromkeys(members, start))
+        except torch.OutOfMemoryError:
+            self._empty_cache()
+            store.clear()
+            return dict.fromkeys(slots, 0), computed, 0
+        return starts, computed, reused
+
+    def _prefill(self, slots: list[int], end: int, starts: dict[int, int]) -> list[RowResult]:
+        """Fill the target cache of new rows from their ``starts`` (the columns before them hold a shared prefix):
+        one forward per start column; on out-of-memory, prefill the halves one after the other.
 
         A row that does not fit even alone becomes an error row (its slot is freed).
         """
         try:
-            for rows, start, stop in prefill_chunks(slots, end - 1, PREFILL_TOKENS):
-                rows_index = selection(rows, self.device)
-                group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
-                              self.table.layout.tokens[rows_index, start:stop], self.table.pads(rows), start,
-                              logits_to_keep=1)
+            for first, group in _by_start(slots, starts):  # each row's own columns, in forwards of a bounded size
+                for rows, start, stop in prefill_chunks(group, end - 1 - first, PREFILL_TOKENS):
+                    rows_index = selection(rows, self.device)
+                    group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
+                                  self.table.layout.tokens[rows_index, first + start : first + stop],
+                                  self.table.pads(rows), first + start, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
             if len(slots) == 1:
                 return [self._end_row(slots[0], "error", "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
-            return self._prefill(slots[:half], end) + self._prefill(slots[half:], end)
+            return self._prefill(slots[:half], end, starts) + self._prefill(slots[half:], end, starts)
+
+    def _share_draft(self, slots: list[int]) -> None:
+        """Rows whose draft cache covers none of their prompt take the kept prefix's draft KV where their prompt
+        starts with it (computed once, when first needed): at admission, or at the draft's first catch-up of rows
+        admitted while no draft was wanted. Out of memory: nothing is shared (the store is dropped)."""
+        table, store, least = self.table, self.prefixes, self.cfg.prefix_min
+        if least <= 0 or len(store.tokens) < least:
+            return
+        members, lengths = [], []
+        for s in slots:
+            prompt = self.state.rows[s].prompt_ids
+            if table.draft_end[s] <= table.pad[s] and len(prompt) - 2 >= least:
+                n = min(store.match(prompt), len(prompt) - 2)
+                if n >= least:
+                    members.append(s)
+                    lengths.append(n)
+        if not members:
+            return
+        self._drafter()  # the draft model, loaded on first use
+        try:
+            store.cover("draft", self.draft.model, self.draft.cache_kwarg, max(lengths), self.device)
+            table.share_prefix(store.caches["draft"], True, members, lengths)
+        except torch.OutOfMemoryError:
+            self._empty_cache()
+            store.clear()
 
     @torch.no_grad()
     def _prefill_draft(self, slots: list[int], end: int) -> None:
         """Fill the draft cache up to ``end - 2``; on out-of-memory leave it to the first round's catch-up."""
         if not slots or end - 2 <= 0:
             return
-        rows_index = selection(slots, self.device)
         started = time.perf_counter()
         try:
-            self._drafter().prefill(rows_index, self.table.layout.tokens[rows_index, : end - 2], self.table.pads(slots))
+            self._share_draft(slots)
+            table = self.table
+            # rows that got a shared prefix start together at the first column all of them lack; the others at 0
+            shared = [s for s in slots if table.draft_end[s] > table.pad[s]]
+            first = min((table.draft_end[s] for s in shared), default=0)
+            for start, group in _by_start(slots, {s: first if s in shared else 0 for s in slots}):
+                if start < end - 2:
+                    rows_index = selection(group, self.device)
+                    self._drafter().prefill(rows_index, table.layout.tokens[rows_index, start : end - 2],
+                                            table.pads(group), start)
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
@@ -752,6 +839,7 @@ class Engine:
         if not k:
             return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
         if choice.source == "model":
+            self._share_draft(slots)  # rows admitted while no draft was wanted: their shared prefix, not a catch-up
             rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.table.layout.tokens[rows_index, :T],
                         pad, self.table.draft_reach(slots),
                         lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))

@@ -136,8 +136,11 @@ class StepStats:
     total_ms: float  # the whole round, its preparation included
     drafter: str = ""  # who drafted: "model", model-free drafters' names ("ngram", "suffix"), "" for k = 0
     drafted: int = 0  # draft tokens verified this round over all rows (rows may draft fewer than k)
-    prefilled_tokens: int = 0  # a prefill: the prompt tokens of its rows that the target prefilled
-    reused_tokens: int = 0  # a prefill: the prompt tokens of its rows whose KV was copied from another sample's (--n)
+    # prefill steps: prompt tokens the target computed (a shared prefix's new columns once, then each row's own
+    # tokens), and prompt tokens whose KV a row took instead, from a shared prefix (``prefix``) or from another
+    # sample of its input row (--n); 0 for rounds
+    prompt_prefilled: int = 0
+    prompt_reused: int = 0
     trace: PolicyTrace = field(default_factory=PolicyTrace)  # the policy's trace of the round
 
     def record(self) -> dict:

@@ -55,6 +55,7 @@ from .inputs import StoredTable, id_array
 from .plan import JobPlan, plan_job, release_free_memory, start_job
 from .row_settings import row_value
 from .samples import SAMPLE_COLUMN
+from .prefix import neighbours
 from .stops import StopStrings
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]
@@ -262,8 +263,9 @@ class Generation:
 
     # ------------------------------------------------------------------ running
     def requests(self) -> Iterator[Request]:
-        """The samples still to generate, bucket by bucket, each input row's adjacent (one request per output row:
-        ``samples``); rows failing --max-prompt-tokens go to _prompt_errors. A greedy row's samples are equal: it
+        """The samples still to generate, bucket by bucket, in token order within each batch of a bucket read (rows that
+        share a prompt prefix come together: ``prefix.neighbours``), each input row's adjacent (one request per output
+        row: ``samples``); rows failing --max-prompt-tokens go to _prompt_errors. A greedy row's samples are equal: it
         is decoded once, as its first unsaved sample, and written to the others (``_copies``)."""
         cfg, plan, samples = self.cfg, self.plan, self.plan.samples
         temperature, seed, max_new, top_p, stops, logprobs, formats = (
@@ -278,7 +280,7 @@ class Generation:
                 current = bucket.index
             rows = batch.column(ROW_COLUMN).to_pylist()
             ids = batch.column(PROMPT_IDS_COLUMN).to_pylist()
-            for row, prompt in zip(rows, ids):
+            for row, prompt in neighbours(rows, ids):
                 if row >= plan.input_rows:  # a bucket directory's row beyond --limit
                     continue
                 first = samples.first(row)

@@ -17,6 +17,8 @@
 - expected / realised gain (auto): over the steps whose cost the policy modelled, the
   expected tokens per modelled second, and the tokens emitted per measured second, each
   over the rate of plain steps the policy modelled for the same groups;
+- prompt reuse: prompt tokens whose KV a row took from a shared prefix (``prompt_reused``) over those and
+  the prompt tokens the target computed (``prompt_prefilled``: a shared prefix's columns once, each row's own);
 - arms (auto): per arm (plain, spec) the rounds it ran, their summed step time, and the
   committed tokens per second each of its windows measured (the policy's own figures).
 """
@@ -62,14 +64,14 @@ class Summary:
     expected_gain: float | None = None
     realised_gain: float | None = None
     arms: dict[str, ArmSummary] = field(default_factory=dict)  # auto's arms by name
-    prefilled_tokens: int = 0  # prompt tokens the target prefilled
-    reused_tokens: int = 0  # prompt tokens whose KV was copied from another sample's (--n)
+    prompt_prefilled: int = 0  # prompt tokens the target computed at admission
+    prompt_reused: int = 0  # prompt tokens whose KV rows took from a shared prefix or a sample
 
     @property
     def reuse_share(self) -> float | None:
-        """reused / (prefilled + reused) prompt tokens; None for a file without prefill counts (an older one)."""
-        admitted = self.prefilled_tokens + self.reused_tokens
-        return self.reused_tokens / admitted if admitted else None
+        """Reused prompt tokens over reused and prefilled ones; None without prefills."""
+        total = self.prompt_prefilled + self.prompt_reused
+        return self.prompt_reused / total if total else None
 
 
 def summarize_rows(label: str, rows: list[dict]) -> Summary:
@@ -95,8 +97,8 @@ def summarize_rows(label: str, rows: list[dict]) -> Summary:
                        / plain_rate) if modelled else None,
         realised_gain=(sum(r["tokens_emitted"] for r in modelled) / sum(r["total_ms"] for r in modelled)
                        / plain_rate) if modelled else None,
-        arms=arms(decode), prefilled_tokens=sum(r.get("prefilled_tokens") or 0 for r in rows),
-        reused_tokens=sum(r.get("reused_tokens") or 0 for r in rows))
+        arms=arms(decode), prompt_prefilled=sum(r.get("prompt_prefilled") or 0 for r in rows),
+        prompt_reused=sum(r.get("prompt_reused") or 0 for r in rows))
 
 
 def arms(decode: list[dict]) -> dict[str, ArmSummary]:

@@ -71,8 +71,8 @@ def run(inp: Path, out: Path, extra: list[str], max_new: int) -> dict:
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
             "rows": list(zip(table.column("id").to_pylist(), table.column("completion_token_ids").to_pylist())),
             "prompt_tokens": sum(table.column("prompt_tokens").to_pylist()),
-            "prefilled": sum(s.get("prefilled_tokens") or 0 for s in stats),
-            "reused": sum(s.get("reused_tokens") or 0 for s in stats)}
+            "prefilled": sum(s.get("prompt_prefilled") or 0 for s in stats),
+            "reused": sum(s.get("prompt_reused") or 0 for s in stats)}
 
 
 def summary(ratios: list[float]) -> dict:

@@ -292,3 +292,21 @@ def test_importing_align_registers_nothing():
     code = ("from transformers import AttentionInterface; import batchspec_cli.engine, batchspec_cli.attention as a; "
             "assert a.FOLDED_SDPA not in AttentionInterface._global_mapping")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_share_prefix_copies_the_prefix_to_each_rows_own_content_offset():
+    """A prefix's entries (one row) land at each slot's own first content column; the draft's reach advances."""
+    table = SlotTable(4, torch.device("cpu"), with_draft=True, capacity=8)
+    table.place([0, 2], [[5, 6, 7, 8, 9], [5, 6, 7]], end=6, pad_id=0)  # pads 1 and 3
+    source = SlotCache(1, 6)
+    keys = torch.arange(6, dtype=torch.float64).reshape(1, 1, 6, 1).repeat(1, 2, 1, 3)  # entry c holds c
+    source.bind(slice(0, 1), 0)
+    source.update(keys, -keys, 0)
+    copied = table.share_prefix(source, True, [0, 2], [4, 2])
+    assert copied == 6
+    draft = table.draft
+    assert draft.keys[0][0, 0, :, 0].tolist()[:6] == [0, 0, 1, 2, 3, 0]  # pad 1: columns 1..4 hold entries 0..3
+    assert draft.keys[0][2, 0, :, 0].tolist()[:6] == [0, 0, 0, 0, 1, 0]  # pad 3: columns 3..4 hold entries 0..1
+    assert draft.values[0][2, 1, 4, 0] == -1
+    assert (table.draft_end[0], table.draft_end[2]) == (5, 5)
+    assert table.target.n_layers == 0  # the target's cache untouched

@@ -147,3 +147,27 @@ def test_the_cli_runs_a_saved_sliding_window_model_and_verify_finds_it_exact(tmp
     assert result.exit_code == 0, result.output
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 0 and "checked 3 rows (0 error rows skipped): 3 exact" in audit.output, audit.output
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Rows that share a prefix longer than every window and chunk (and a pair that shares only part of it)."""
+    rng = random.Random(4)
+    prefix = [rng.randrange(4, VOCAB) for _ in range(30)]
+    own = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (1, 5, 9, 3, 6)]
+    return [prefix + o for o in own] + [prefix[:20] + own[1], prefix[:20] + own[2]]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_sharing_a_prefix_equal_per_prompt_hf_decoding(family):
+    """Prefix sharing (``prefix``) in every family: sliding-window and chunked layers, ALiBi, MLA, learned positions;
+    the prefix's KV is computed alone from position 0 and copied to each row's own content offset."""
+    model = build(family)
+    draft = perturbed_copy(model, scale=0.01, seed=1)
+    rows = shared_prefix_prompts()
+    references = [hf_reference(model, p) for p in rows]
+    for mode, d, policy in [("ar", None, None), ("exspec", draft, None), ("auto", draft, scheduled(3, 2))]:
+        cfg = EngineConfig(mode=mode, k=3, batch_size=3, window=6, prefix_min=8)
+        results, stats = run_engine_rows(model, d, rows, cfg, max_new=MAX_NEW, eos=(1,), policy=policy,
+                                         pad_to=max(map(len, rows)))
+        assert [results[i].token_ids for i in range(len(rows))] == references, f"{family} {mode}"
+        assert sum(s.prompt_reused for s in stats) > 0

@@ -610,7 +610,8 @@ def test_write_is_atomic(tmp_path, monkeypatch, existing):
 
 STATS_COLUMNS = ["bucket", "step", "group_kind", "batch_size", "k", "accepted", "tokens_emitted", "pad_before",
                  "pad_after", "kv_moved", "kv_gathered", "draft_ms", "verify_ms", "realign_ms", "gather_ms", "total_ms",
-                 "drafter", "drafted", "prefilled_tokens", "reused_tokens", "expected_tokens", "expected_ms", "plain_ms", "arm", "window_tokens_per_s"]
+                 "drafter", "drafted", "prompt_prefilled", "prompt_reused", "expected_tokens", "expected_ms",
+                 "plain_ms", "arm", "window_tokens_per_s"]
 
 
 def test_write_stats_round_trip(tmp_path):

@@ -81,7 +81,7 @@ def test_prompt_prefilled_once_per_input_row(models, prompts, mode, batch_size, 
                      batch_size=batch_size)
     prefills = [s for s in steps if s.group_kind == "prefill"]
     prompt_tokens = sum(len(p) for p in prompts)
-    prefilled, reused = sum(s.prefilled_tokens for s in prefills), sum(s.reused_tokens for s in prefills)
+    prefilled, reused = sum(s.prompt_prefilled for s in prefills), sum(s.prompt_reused for s in prefills)
     assert prefilled + reused == N * prompt_tokens
     assert prefilled == prompt_tokens if once else prompt_tokens <= prefilled < 2 * prompt_tokens
     assert sum(s.kv_gathered for s in prefills) > 0
@@ -153,8 +153,8 @@ def test_n_rows_adjacent_sample_zero_is_the_n1_row_and_modes_agree(tmp_path, sav
     assert table.column_names[table.column_names.index("id") + 1] == "sample"
     assert table.column("prompt").to_pylist()[:4] == [table.column("prompt")[0].as_py()] * 4  # input columns repeat
     stats = pq.read_table(tmp_path / "ex.stats.parquet").to_pylist()
-    prefilled = sum(s["prefilled_tokens"] for s in stats)
-    reused = sum(s["reused_tokens"] for s in stats)
+    prefilled = sum(s["prompt_prefilled"] for s in stats)
+    reused = sum(s["prompt_reused"] for s in stats)
     assert reused == 3 * prefilled  # batch 8 admits two whole rows at a time: each prompt prefilled once
     report = verify_run(tmp_path / "ex.parquet")
     assert report.checked == 4 * ROWS and report.exact == report.checked
