@@ -173,8 +173,8 @@ def generate(
     json: Annotated[bool, typer.Option("--json", help="Every completion is a JSON object.")] = DEFAULT.json,
     response_format_column: Annotated[Optional[str], typer.Option("--response-format-column", help="Per-row "
                                                                   "constraint: an OpenAI response_format object "
-                                                                  "(json_schema or json_object) or a JSON schema "
-                                                                  "(null: the job's).")] = DEFAULT.response_format_column,
+                                                                  "(json_schema, json_object, or text: none) or a "
+                                                                  "JSON schema (null: the job's).")] = DEFAULT.response_format_column,
     bucket_width: Annotated[Optional[int], typer.Option("--bucket-width", help="Prompt-length bucket width "
                                                          "(default: automatic).")] = DEFAULT.bucket_width,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]

@@ -794,7 +794,8 @@ def stop_cells(inp: InputTable, column: str, source) -> list[tuple[str, ...]]:
 
 def response_format_cells(inp: InputTable, column: str, source) -> list[Constraint | None]:
     """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
-    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
+    ``{"type": "text"}``: none, ``constraints.TEXT``; null: the job's). A cell that cannot be used is an ``invalid``
+    constraint: that row becomes an error row."""
     if column not in inp.table.column_names:
         raise InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
                              f"input")
@@ -805,7 +806,7 @@ def response_format_cells(inp: InputTable, column: str, source) -> list[Constrai
             continue
         try:
             constraint = constraints.from_response_format(value)
-            error = constraints.problem(constraint) if constraint is not None else None
+            error = constraints.problem(constraint)
         except constraints.ConstraintError as exc:
             error = str(exc)
         out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)

@@ -233,8 +233,9 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
     """Choose the drafters, check the tokenizers (cheap: a mismatched draft is refused before any weights load),
     then load the models and build the engine (``assembly.assemble``)."""
     notes = []
+    formats = source.overrides.get("response_format") or ()  # an OpenAI batch's own (TEXT: none)
     constrained = constraint is not None or cfg.response_format_column is not None \
-        or any(source.overrides.get("response_format") or ())  # an OpenAI batch's own response_format
+        or any(c not in (None, constraints.TEXT) for c in formats)
     draft_spec, lookup_names = _drafters(cfg, constrained)
     mode = cfg.mode
     if draft_spec is None and not lookup_names and mode != "ar":

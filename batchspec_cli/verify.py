@@ -198,15 +198,13 @@ class GrammarMask:
 
 
 def _mask_for(meta: dict, row: dict, tokenizer, eos: list[int], vocab: int, prompt_len: int) -> GrammarMask | None:
-    """The row's constraint as the run had it: its response_format cell, else the job's (the run's metadata)."""
+    """The row's constraint as the run had it: its response_format cell (``{"type": "text"}``: none), else the
+    job's (the run's metadata)."""
     from . import constraints
 
-    constraint = None
-    column = meta.get("response_format_column")
-    if column and row.get(column) is not None:
-        constraint = constraints.from_response_format(row[column])
-    elif meta.get("constraint"):
-        constraint = constraints.Constraint(meta["constraint"]["kind"], meta["constraint"]["text"])
+    column, job = meta.get("response_format_column"), meta.get("constraint")
+    own = constraints.from_response_format(row[column]) if column and row.get(column) is not None else None
+    constraint = constraints.of_row(own, constraints.Constraint(job["kind"], job["text"]) if job else None)
     if constraint is None:
         return None
     key = (id(tokenizer), tuple(eos))
