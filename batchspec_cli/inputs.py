@@ -508,11 +508,13 @@ def _column_array(values: list[Any]) -> tuple[pa.Array, bool]:
     """Values of one JSONL column as an Arrow array, and whether it holds them as text.
 
     A column whose values do not unify into one Arrow type (a string in one row, a list in
-    another, an integer too big for 64 bits) becomes a string column: strings stay as they were, every other
-    value is its JSON text (nulls stay null)."""
+    another, an integer too big for 64 bits, a boolean among numbers) becomes a string column: strings stay as
+    they were, every other value is its JSON text (nulls stay null)."""
     try:
         array = pa.array(values)
-        if not _has_empty_struct(array.type):  # Parquet cannot store struct<>
+        if pa.types.is_floating(array.type) and any(v is True or v is False for v in values):
+            pass  # Arrow made the booleans 1.0 and 0.0: not the values as written
+        elif not _has_empty_struct(array.type):  # Parquet cannot store struct<>
             return array, False
     except (pa.ArrowException, OverflowError, TypeError, ValueError, RecursionError):
         pass
@@ -731,8 +733,9 @@ TEXT_COLUMNS = "text_columns"  # a bucket directory's setting: the columns it ho
 
 def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
     """Per-row temperature / seed / max_new_tokens / top_p / logprobs / stop strings from input columns, read from
-    the values as the input wrote them (a list stays a list in a column that mixes kinds); InputError on a bad cell.
-    """
+    the values as the input wrote them (a list stays a list in a column that mixes kinds; a boolean stays a boolean);
+    InputError naming the row and column on a bad cell (a NaN, an infinity, a boolean, a value out of range); null
+    takes the job's flag."""
     out = {}
     for name, (attr, kind, smallest, flag) in OVERRIDES.items():
         column = getattr(cfg, attr)
@@ -742,7 +745,7 @@ def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
             raise InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
         values = []
         for i, value in enumerate(inp.values(column)):
-            if value is None or (isinstance(value, float) and value != value):
+            if value is None:  # a NaN is no null: it is refused below, like an infinity
                 values.append(None)
                 continue
             number = _as_number(value, kind)

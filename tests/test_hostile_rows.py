@@ -13,6 +13,7 @@ import signal
 import stat
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -311,3 +312,36 @@ def test_overwrite_never_replaces_what_is_not_a_regular_file(tmp_path, model):
     refused(generate(write_jsonl(tmp_path / "in.jsonl", GOOD), fifo, model, "--overwrite"), "FIFO",
             "not a regular file")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+# --------------------------------------------------------------------------- round three (issue 48)
+
+
+@pytest.mark.parametrize("suffix, flag, cells, row", [
+    (".jsonl", "--temperature-column", [0.5, float("nan")], "row 2"),  # JSON's NaN
+    (".jsonl", "--temperature-column", [0.5, True], "row 2"),  # Arrow would make it 1.0
+    (".jsonl", "--temperature-column", [True, 0.5], "row 1"),
+    (".parquet", "--temperature-column", [0.5, float("nan")], "row 2"),
+    (".parquet", "--temperature-column", [True, False], "row 1"),
+    (".parquet", "--top-p-column", [0.5, float("nan")], "row 2"),
+    (".jsonl", "--temperature-column", [0.5, -1.0], "row 2"),  # the negative cell these must behave like
+])
+def test_a_nan_or_boolean_setting_cell_is_refused_naming_row_and_column_like_a_negative_one(tmp_path, model, suffix,
+                                                                                           flag, cells, row):
+    """A NaN was taken as null (the row decoded greedily, exit 0) and a boolean as 1.0: refused as a negative or an
+    infinite cell is, with one line naming the row and the column, nothing written."""
+    rows = [{**prompt, "s": cell} for prompt, cell in zip(GOOD, cells)]
+    inp = tmp_path / f"in{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(inp, rows)
+    else:
+        pq.write_table(pa.table({"id": [r["id"] for r in rows], "prompt": [r["prompt"] for r in rows],
+                                 "s": [r["s"] for r in rows]}), inp)
+    refused(generate(inp, tmp_path / "out.parquet", model, flag, "s"), row, "column 's'")
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_column_mixing_booleans_and_numbers_passes_through_as_written(tmp_path, model):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "flag": 0.5}, {**GOOD[1], "flag": True}])
+    assert generate(inp, tmp_path / "out.parquet", model).exit_code == 0
+    assert [r["flag"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()] == ["0.5", "true"]
