@@ -601,12 +601,12 @@ def parse_prompt(value: Any, column: str) -> Prompt:
         raise BadPrompt(f"{at} is null")
     if isinstance(value, str):
         if not value.strip():
-            raise BadPrompt(f"{at} is empty")
+            raise BadPrompt(f"{at} {_blank(value)}")
         return value
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):  # Spec-Bench `turns`: use the first turn
             if not value[0].strip():
-                raise BadPrompt(f"{at}: first turn is empty")
+                raise BadPrompt(f"{at}: first turn {_blank(value[0])}")
             return value[0]
         if all(isinstance(v, dict) for v in value):
             return parse_messages(value, at)
@@ -631,8 +631,14 @@ def parse_messages(value: list[dict], at: str) -> list[dict]:
         # Parquet structs give every field to every message: drop the null ones.
         messages.append({k: v for k, v in m.items() if v is not None} | {"content": content})
     if not any(m["content"].strip() for m in messages):
-        raise BadPrompt(f"{at}: every message is empty")
+        raise BadPrompt(f"{at}: every message is empty" if not any(m["content"] for m in messages) else
+                        f"{at}: every message is empty or only whitespace")
     return messages
+
+
+def _blank(text: str) -> str:
+    """What a string without text is, for a message: "is empty" or "is only whitespace"."""
+    return "is only whitespace" if text else "is empty"
 
 
 def _joined_parts(parts: list, at: str) -> str:

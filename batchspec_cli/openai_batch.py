@@ -293,8 +293,10 @@ def _prompt_text(prompt) -> str:
         prompt = prompt[0]
     if isinstance(prompt, list):
         raise RequestError("'prompt' must be one string (lists of prompts and token ids are not supported)")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str) or not prompt:
         raise RequestError("'prompt' must be a non-empty string")
+    if not prompt.strip():
+        raise RequestError("'prompt' is only whitespace")
     return prompt
 
 

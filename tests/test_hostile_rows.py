@@ -78,7 +78,10 @@ def same_as_clean(out: Path, clean: dict[str, dict]) -> None:
 
 BAD_PROMPTS = {
     "null": (None, "is null"),
-    "whitespace": ("  \n\t ", "is empty"),
+    "empty": ("", "column 'prompt' is empty"),
+    "whitespace": ("  \n\t ", "column 'prompt' is only whitespace"),  # issue 48: not "is empty"
+    "whitespace turn": (["  ", "second"], "first turn is only whitespace"),
+    "whitespace messages": ([{"role": "user", "content": " \n"}], "every message is empty or only whitespace"),
     "message without text": ([{"role": "user"}], "no string 'content'"),
     "image part": ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                    "only text content parts"),

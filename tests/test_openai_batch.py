@@ -260,6 +260,9 @@ def chat(**body) -> dict:
     (request("x", {"prompt": "hi"}), "'prompt' is a /v1/completions field"),
     (request("x", {"prompt": ["a", "b"]}, openai_batch.COMPLETIONS), "one string"),
     (request("x", {"prompt": [1, 2]}, openai_batch.COMPLETIONS), "one string"),
+    (request("x", {"prompt": ""}, openai_batch.COMPLETIONS), "'prompt' must be a non-empty string"),
+    (request("x", {"prompt": " \n\t"}, openai_batch.COMPLETIONS), "'prompt' is only whitespace"),  # issue 48
+    (request("x", {"messages": [{"role": "user", "content": "  "}]}), "every message is empty or only whitespace"),
 ])
 def test_unsupported_or_bad_requests_are_named(line, needle):
     with pytest.raises(openai_batch.RequestError, match=None) as info:
