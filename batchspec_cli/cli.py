@@ -127,7 +127,9 @@ def generate(
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", help="Longer prompts become "
                                                               "error rows (default: the model's context).")]
     = DEFAULT.max_prompt_tokens,
-    prompt_column: Annotated[str, typer.Option("--prompt-column")] = DEFAULT.prompt_column,
+    prompt_column: Annotated[str, typer.Option("--prompt-column", help="Column of the prompts (default: prompt, or "
+                                               "messages where there is no prompt column).")]
+    = DEFAULT.prompt_column,
     id_column: Annotated[str, typer.Option("--id-column")] = DEFAULT.id_column,
     chat: Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")] = DEFAULT.chat,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]

@@ -40,6 +40,8 @@ from .outputs import EXTRA_OUTPUT_COLUMNS, METADATA_KEY, OUTPUT_COLUMNS
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 DEFAULT_ID_COLUMN = "id"
+DEFAULT_PROMPT_COLUMN = "prompt"
+MESSAGES_COLUMN = "messages"  # the OpenAI and Hugging Face chat shape: the prompts where there is no `prompt` column
 MAX_NESTING = 32  # a column nested deeper (lists / objects in lists...) is stored as JSON text: Parquet's limit is ~50
 
 Prompt = str | list[dict]
@@ -159,6 +161,7 @@ class InputTable:
     overrides: dict[str, list] = field(default_factory=dict)  # setting -> [rows] value or None (as row_overrides)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
     endpoints: list[str] | None = None  # [rows] "/v1/chat/completions" | "/v1/completions"
+    prompt_column: str | None = None  # a table's: the column its prompts were read from (``prompt_column_in``)
     # column -> [rows] its values as the input wrote them, for the columns `table` holds as JSON text (a JSONL
     # column that mixes kinds, one nested deeper than MAX_NESTING): what the per-row settings read (`values`).
     written: dict[str, list] = field(default_factory=dict)
@@ -178,9 +181,17 @@ class BadPrompt(ValueError):
     """A prompt cell that is no prompt (null, empty, a message without text...): its row becomes an error row."""
 
 
+def prompt_column_in(names: list[str], asked: str) -> str:
+    """The column the prompts are read from: ``asked`` (--prompt-column), or, where that is the default `prompt`
+    and the input has no such column but a `messages` one, `messages` (rows of chat messages)."""
+    if asked == DEFAULT_PROMPT_COLUMN and asked not in names and MESSAGES_COLUMN in names:
+        return MESSAGES_COLUMN
+    return asked
+
+
 def read_input(
     path: Path,
-    prompt_column: str = "prompt",
+    prompt_column: str = DEFAULT_PROMPT_COLUMN,
     id_column: str = DEFAULT_ID_COLUMN,
     limit: int | None = None,
     store: Path | None = None,
@@ -223,6 +234,7 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     ``where(i)`` names row i in messages (default "row i+1"); ``written``: the values as written of the
     columns the table holds as text (InputTable.written; a ``StoredTable`` holds them as text already);
     ``errors``: rows already refused (an error row each).
+    The prompts are read from ``prompt_column_in(names, prompt_column)``.
     A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input.
     Prompts and ids are checked a chunk of rows at a time: the input's rows are never all Python objects."""
     where = where if where is not None else (lambda i: f"row {i + 1}")
@@ -232,6 +244,7 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
         raise InputError(f"{path}: duplicate column names: {', '.join(map(repr, dupes))}")
+    prompt_column = prompt_column_in(names, prompt_column)
     if prompt_column not in names:
         raise InputError(
             f"{path}: no prompt column '{prompt_column}'; columns are: "
@@ -249,7 +262,8 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     written = dict(written or {})
     if isinstance(table, pa.Table):
         table, written = _storable(table, written)
-    inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written)
+    inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written,
+                     prompt_column=prompt_column)
     inp.prompts = Prompts(inp, prompt_column)
     ids = []
     for start in range(0, table.num_rows, CHUNK_ROWS):

@@ -253,6 +253,9 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
     if source.bucket_dir is not None:
         inp, overrides = _read_bucket_dir(cfg, source.manifest, target_name, loaded.target)
     notes += openai_batch.model_notes(inp, target_name)
+    if inp.prompt_column not in (None, cfg.prompt_column):  # no `prompt` column: its `messages` are the prompts
+        notes.append(f"no '{cfg.prompt_column}' column: the prompts are the chat messages of column "
+                     f"'{inp.prompt_column}'")
     samples = job_samples(cfg, len(inp.ids), overrides.get("n"))
     if samples.written and SAMPLE_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: input column {SAMPLE_COLUMN!r} clashes with the output's sample column "

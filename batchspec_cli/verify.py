@@ -28,7 +28,8 @@ import torch
 from . import models
 from . import sampling
 from .errors import InputError
-from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt, read_completions, read_run_metadata
+from .inputs import (DEFAULT_PROMPT_COLUMN, JSONL_SUFFIXES, BadPrompt, parse_prompt, prompt_column_in,
+                     read_completions, read_run_metadata)
 from .prompts import render_prompt
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
@@ -106,7 +107,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     skipped = len(rows) - len(candidates)
     if sample is not None and sample < len(candidates):
         candidates = sorted(random.Random(seed).sample(candidates, sample))
-    prompt_column = meta.get("prompt_column", "prompt")
+    prompt_column = prompt_column_in(table.column_names, meta.get("prompt_column", DEFAULT_PROMPT_COLUMN))
     if prompt_column not in table.column_names:
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,

@@ -348,3 +348,31 @@ def test_a_column_mixing_booleans_and_numbers_passes_through_as_written(tmp_path
     inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "flag": 0.5}, {**GOOD[1], "flag": True}])
     assert generate(inp, tmp_path / "out.parquet", model).exit_code == 0
     assert [r["flag"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()] == ["0.5", "true"]
+
+
+def test_a_messages_column_is_the_prompts_where_there_is_no_prompt_column_and_the_start_says_so(tmp_path, model,
+                                                                                               clean):
+    """The OpenAI / Hugging Face chat shape, `{"id", "messages": [...]}`, was refused ("no prompt column"): its
+    messages are the prompts, as the same messages in a `prompt` column are, and the run's first line says so."""
+    chats = [{"id": "c", "messages": GOOD[2]["prompt"]},
+             {"id": "s", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}]
+    as_prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": r["id"], "prompt": r["messages"]} for r in chats])
+    assert generate(as_prompts, tmp_path / "expected.parquet", model).exit_code == 0
+    expected = table(tmp_path / "expected.parquet")
+    assert expected["c"]["completion_token_ids"] == clean["c"]["completion_token_ids"]
+    jsonl = write_jsonl(tmp_path / "chats.jsonl", chats)
+    parquet = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(chats), parquet)
+    for inp in (jsonl, parquet):
+        out = tmp_path / f"out-{inp.suffix[1:]}.parquet"
+        result = cli.invoke(app, ["generate", str(inp), str(out), "--target", str(model), "--mode", "ar",
+                                  "--max-new-tokens", "6", "--dtype", "float64"])
+        assert result.exit_code == 0, result.output
+        start = result.stdout.split("wrote ")[0]  # the lines before the rows run: the start line and its notes
+        assert "note: no 'prompt' column: the prompts are the chat messages of column 'messages'" in start, start
+        got = table(out)
+        assert {k: r["completion_token_ids"] for k, r in got.items()} == \
+            {k: r["completion_token_ids"] for k, r in expected.items()}
+    checked = cli.invoke(app, ["verify", str(tmp_path / "out-jsonl.parquet"), "--device", "cpu"])
+    assert checked.exit_code == 0 and "0 unexplained" in checked.output, checked.output
+    refused(generate(jsonl, tmp_path / "named.parquet", model, "--prompt-column", "text"), "no prompt column 'text'")
