@@ -567,6 +567,31 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+# The layer types (transformers' names) that ``check_supported`` refuses, as a user knows them.
+REFUSED_LAYERS = {
+    "linear_attention": "state-space layers, as in Mamba",
+    "hybrid": "hybrid attention and state-space layers",
+    "hybrid_sliding": "hybrid attention and state-space layers",
+    "conv": "convolution layers with a recurrent state",
+    "dummy": "layers that reuse another layer's KV, as in Gemma 3n",  # transformers' cache for a shared-KV layer
+    "mlp": "layers without attention",
+    "moe": "layers without attention",
+}
+
+
+def _refused_layers(kinds: list[str]) -> str:
+    """The refused layer types in words, each with the config's own name ("state-space layers, as in Mamba
+    (linear_attention)"); "dummy" is only transformers' cache's name for a shared-KV layer, so it is not shown."""
+    described: dict[str | None, list[str]] = {}
+    for kind in kinds:
+        described.setdefault(REFUSED_LAYERS.get(kind), []).append(kind)
+    words = []
+    for text, names in described.items():
+        shown = ", ".join(name for name in names if name != "dummy")
+        words.append(f"{shown} layers" if text is None else f"{text} ({shown})" if shown else text)
+    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
+
+
 def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None = None) -> None:
     """Refuse models whose attention the engine's masks cannot express: full, sliding-window and chunked
     attention layers only (``attention.LAYER_TYPES``), every layer's KV cached per slot.
@@ -588,8 +613,9 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
     others = sorted(kinds - set(attention.LAYER_TYPES)) or sorted(built - set(attention.LAYER_TYPES))
     kinds |= built
     if others:
-        raise ModelError(f"model '{label}' has {', '.join(others)} layers; batchspec supports full, sliding-window "
-                         "and chunked attention layers only")
+        raise ModelError(f"model '{label}' has {_refused_layers(others)}; batchspec realigns each row's KV cache, "
+                         "which needs every layer to be full, sliding-window or chunked attention with its own KV: "
+                         "choose a model built of those (Llama, Qwen2, Mistral, Phi-3, Gemma 2 or 3, ...)")
     windows = {getattr(c, "sliding_window", None) for c in getattr(text, "per_layer_config", None) or [text]}
     if attention.SLIDING in kinds and (None in windows or len(windows) > 1):
         sizes = ", ".join(sorted(map(str, windows)))

@@ -376,3 +376,31 @@ def test_a_messages_column_is_the_prompts_where_there_is_no_prompt_column_and_th
     checked = cli.invoke(app, ["verify", str(tmp_path / "out-jsonl.parquet"), "--device", "cpu"])
     assert checked.exit_code == 0 and "0 unexplained" in checked.output, checked.output
     refused(generate(jsonl, tmp_path / "named.parquet", model, "--prompt-column", "text"), "no prompt column 'text'")
+
+
+@pytest.mark.parametrize("config, words", [
+    ("mamba", "has state-space layers, as in Mamba"),
+    ("gemma3n", "has layers that reuse another layer's KV, as in Gemma 3n"),
+])
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+def test_a_state_space_or_shared_kv_model_is_refused_in_words_a_user_knows_and_says_what_to_do(tmp_path, model,
+                                                                                             config, words, role):
+    """It said "has linear_attention layers" (Mamba) and "has dummy layers" (Gemma 3n's shared-KV layers)."""
+    from transformers import Gemma3nTextConfig, MambaConfig
+
+    from conftest import make_tokenizer
+
+    made = {"mamba": lambda: MambaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2),
+            "gemma3n": lambda: Gemma3nTextConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=16, num_kv_shared_layers=2)}[config]()
+    folder = tmp_path / config
+    made.save_pretrained(folder)  # no weights: the config is refused before any are read
+    make_tokenizer(folder)
+    models = ["--target", folder] if role == "--target" else ["--target", model, "--draft", folder]
+    inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    result = cli.invoke(app, ["generate", str(inp), str(tmp_path / "out.parquet"), *map(str, models), "--mode",
+                              "exspec", "--quiet"])
+    refused(result, words, "choose a model built of those")
+    assert "linear_attention layers" not in result.output and "dummy" not in result.output
+    assert not list(tmp_path.glob("*out*"))
