@@ -49,6 +49,7 @@ from .files import check_distinct, naming
 from .inputs import TEXT_COLUMNS, read_input
 from .interrupts import StopNow
 from .job import BucketDone, Generation, Interrupted, Started, work_dir_for
+from .models import ModelError
 from .outputs import stats_path_for
 from .stats import acceptance_length
 
@@ -457,19 +458,27 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
                               signal=interrupts.signal_of(exc))
-    except (OSError, CheckpointError, NonFiniteLogits) as exc:  # the machine, the work directory, the model: one line
+    except (OSError, CheckpointError) as exc:  # the machine or the work directory: once it is fixed, a rerun resumes
         events.close()
         message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
         log.write("failed", error=message, rows_saved=job.saved_rows, total_rows=total, exit_code=1)
         err.print(f"[bold red]error:[/] {escape(message)}; {job.saved_rows} of {total} rows saved; "
                   f"rerun the same command to resume", highlight=False)
         return 1
+    except (NonFiniteLogits, ModelError) as exc:  # the model: the same command would fail the same way
+        events.close()
+        log.write("failed", error=str(exc), rows_saved=job.saved_rows, total_rows=total, exit_code=1)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}; {job.saved_rows} of {total} rows saved, but the same "
+                  f"command would fail the same way: fix the model, or change it or --dtype and pass --restart",
+                  highlight=False)
+        return 1
     except Exception as exc:  # a bug: say what is kept, then show the traceback (exit 1)
         events.close()
         log.write("failed", error=one_line(exc), rows_saved=job.saved_rows,
                   total_rows=total, exit_code=1)
-        err.print(f"[bold red]error:[/] the run failed; {job.saved_rows} of {total} rows are saved and rerunning "
-                  f"the same command resumes", highlight=False)
+        err.print(f"[bold red]error:[/] the run failed unexpectedly (a bug: the traceback follows); {job.saved_rows} "
+                  f"of {total} rows are saved, and once the cause is fixed rerunning the same command resumes from "
+                  f"them", highlight=False)
         raise
     finally:
         events.close()

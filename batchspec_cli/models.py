@@ -398,6 +398,7 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
+    check_embedding(name, model.get_input_embeddings().num_embeddings, tokenizer)
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
     check_supported(model, name=name)
@@ -485,12 +486,17 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
 
 def check_draft(spec: str, target: LoadedModel, quiet: bool = False) -> tuple[str, Path]:
     """(display name, local directory) of a draft for ``target``, vetted without reading its weights: its config
-    must be supported, and a shared-embedding draft must have been trained against ``target``'s embeddings
-    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used)."""
+    must be supported, its embedding (by its config) must cover its tokenizer, and a shared-embedding draft must
+    have been trained against ``target``'s embeddings (what ``load_draft`` refuses, refused before the job starts;
+    the weights load when the draft is first used)."""
     name, folder = _resolve(spec, quiet)
     with _quiet(quiet):
         config = _supported_config(name, folder)
-    if (folder / SHARED_DRAFT_FILE).is_file():
+    if not (folder / SHARED_DRAFT_FILE).is_file():
+        rows = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+        if isinstance(rows, int):
+            check_embedding(name, rows, load_tokenizer(spec, quiet)[0])
+    else:  # its embeddings are the target's
         try:
             meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
         except Exception as exc:
@@ -623,6 +629,20 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
                          "batchspec supports a single window")
     if attention.CHUNKED in kinds and getattr(text, "attention_chunk_size", None) is None:
         raise ModelError(f"model '{label}' has chunked attention layers without an attention_chunk_size")
+
+
+def check_embedding(name: str, rows: int, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a model whose input embedding has fewer rows than its tokenizer has ids: a prompt holding such an id
+    would end the run at its prefill, and every rerun the same way (a tokenizer that is not the model's). A special
+    token added without a role (not BOS, EOS, pad, unk or an additional special token: the `<|endoftext|>` a GGUF
+    conversion adds) is left out: neither text nor the chat template produces it."""
+    roleless = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    roleless -= set(tokenizer.all_special_ids)
+    top = max((i for i in tokenizer.get_vocab().values() if i not in roleless), default=-1)
+    if top >= rows:
+        raise ModelError(f"model '{name}' has an embedding of {rows:,} rows but its tokenizer has {len(tokenizer):,} "
+                         f"tokens (ids up to {top:,}): the tokenizer is not the model's; give a model whose tokenizer "
+                         f"and weights belong together")
 
 
 def plain_experts(model: PreTrainedModel) -> None:

@@ -404,3 +404,40 @@ def test_a_state_space_or_shared_kv_model_is_refused_in_words_a_user_knows_and_s
     refused(result, words, "choose a model built of those")
     assert "linear_attention layers" not in result.output and "dummy" not in result.output
     assert not list(tmp_path.glob("*out*"))
+
+
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+def test_an_embedding_smaller_than_the_tokenizer_is_refused_at_load_naming_both_sizes(tmp_path, model, role):
+    """A 60-row embedding with a 100-token tokenizer died at prefill (an IndexError traceback, exit 1, "rerunning
+    resumes"), and its work directory then refused the corrected command until --restart."""
+    import torch
+    from conftest import make_tiny_llama, make_tokenizer
+
+    small = tmp_path / "small"
+    make_tiny_llama(60, seed=0, dtype=torch.float32, layers=1, hidden=32).save_pretrained(small)
+    make_tokenizer(small)
+    inp, out, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", tmp_path / "log.jsonl"
+    models = ["--target", small] if role == "--target" else ["--target", model, "--draft", small]
+    result = cli.invoke(app, ["generate", str(inp), str(out), *map(str, models), "--mode", "exspec", "--quiet",
+                              "--max-new-tokens", "4", "--log-json", str(log)])
+    refused(result, f"model '{small}'", "embedding of 60 rows", "tokenizer has 100 tokens")
+    assert "rerun" not in result.output
+    assert not out.exists() and not list(tmp_path.glob(".out.parquet*"))  # no work directory left behind
+    assert [json.loads(line)["event"] for line in log.read_text().splitlines()] == ["error"]
+    assert generate(inp, out, model).exit_code == 0  # the corrected command runs
+
+
+def test_a_model_failure_a_rerun_cannot_fix_does_not_say_a_rerun_resumes(tmp_path):
+    """A model that gives a NaN logit fails every rerun the same way: the message says what to change instead."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = save_tiny_model_dir(tmp_path / "nan", seed=0, layers=1, hidden=32)
+    broken = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        broken.lm_head.weight[7, 0] = float("nan")
+    broken.save_pretrained(folder)
+    result = generate(write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", folder)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "non-finite logits" in result.output and "rerun the same command to resume" not in result.output
+    assert "the same command would fail the same way" in result.output and "--restart" in result.output
