@@ -11,8 +11,7 @@ the rows of the parts saved so far are kept and a rerun resumes from them).
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
+import gc
 import math
 import os
 import signal
@@ -44,6 +43,7 @@ from .checkpoint import CheckpointError
 from .config import DEFAULT, GenerateConfig, UsageError, os_error_message, parse_batch_size
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
+from .eventlog import JsonLog, interrupted_before_start, signal_name
 from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
 from .files import check_distinct, naming
 from .inputs import TEXT_COLUMNS, read_input
@@ -259,37 +259,21 @@ def generate(
             raise fail(str(exc)) from None
         except (KeyboardInterrupt, StopNow) as exc:  # while the input is read or the models load: nothing saved yet
             code = 128 + interrupts.signal_of(exc)
-            log.write("interrupted", signal=_signal_name(code - 128), rows_saved=0, total_rows=None, exit_code=code)
+            interrupted_before_start(log, code - 128)
             prepared = work_dir_for(output).exists()  # the job was planned before the stop was seen: it resumes
             err.print(f"interrupted before any row was generated; "
                       f"{'rerun the same command to resume' if prepared else 'nothing was written'}", highlight=False)
             raise typer.Exit(code=code) from None
-        with job, contextlib.ExitStack() as stack:
-            executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
-            code = _run(job, out, log, quiet, executor)
+        stops = StopSignals()
+        with _handling_signals(stops):
+            with job, contextlib.ExitStack() as stack:
+                executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray \
+                    else None
+                code = _run(job, out, log, quiet, stops, executor)
+            del job, executor  # the models are freed now, under the handlers: it takes a while, and a finished
+            gc.collect()  # job must not look interrupted meanwhile
     if code:
         raise typer.Exit(code=code)
-
-
-class JsonLog:
-    """One JSON object per line, flushed at once, for schedulers (`--log-json`); appends across reruns."""
-
-    def __init__(self, path: Path | None):
-        self.file = open(path, "a", encoding="utf-8") if path is not None else None
-
-    def write(self, event: str, **fields) -> None:
-        if self.file is None:
-            return
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-        self.file.write(json.dumps({"event": event, "time": now, **fields}, default=str) + "\n")
-        self.file.flush()
-
-    def __enter__(self) -> "JsonLog":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 @contextlib.contextmanager
@@ -313,14 +297,30 @@ def _raise_on_signals():
     return _handling_signals(interrupts.raise_stop)
 
 
-def _stop_on_signals(job: Generation):
-    """SIGINT / SIGTERM / SIGHUP ask the job to stop after the current step; a second one acts at once."""
-    def handler(signum, frame):
-        if job.stop_requested:
-            raise StopNow(signum)
-        job.stop(signum)
+class StopSignals:
+    """What SIGINT / SIGTERM / SIGHUP do once a job is open: stop at once (StopNow), except while its rows run
+    (``running``), when the first asks the job to stop after the current step and a second acts at once; once OUT
+    is complete (``finished``), nothing: the job's own exit code (0 or 3) stands, and a scheduler never sees a
+    finished job as an interrupted one."""
 
-    return _handling_signals(handler)
+    def __init__(self):
+        self.job: Generation | None = None  # the job whose rows are running
+        self.finished = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.finished:
+            return
+        if self.job is None or self.job.stop_requested:
+            raise StopNow(signum)
+        self.job.stop(signum)
+
+    @contextlib.contextmanager
+    def running(self, job: Generation):
+        self.job = job
+        try:
+            yield
+        finally:
+            self.job = None
 
 
 def _start_ray(job: Generation, out: Console, log: JsonLog, address, workers, block_rows, stack):
@@ -432,7 +432,7 @@ def _measured(event: WidthChosen) -> str:
     return f" (auto: plain-step tokens/s by width {rates}; stopped at {event.stopped})"
 
 
-def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None) -> int:
+def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, stops: StopSignals, executor=None) -> int:
     """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code.
 
     ``executor``: a ``distributed.RayExecutor`` (or None: this process's engine); its ``BlockDone``
@@ -443,7 +443,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
     stopped: Interrupted | None = None
     events = job.events(run=executor.run if executor is not None else None)
     try:
-        with progress.bar, _stop_on_signals(job):
+        with progress.bar, stops.running(job):
             for event in events:
                 for view in views:
                     handler = view.handlers.get(type(event))
@@ -454,6 +454,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
             if stopped is None:
                 events.close()
                 summary = job.finish()  # under the signal handlers: a stop asked now lets the files be written
+                stops.finished = True  # OUT is complete: from here on a stop signal changes nothing
     except (KeyboardInterrupt, StopNow) as exc:  # a second signal: the finished rows are saved all the same
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
@@ -486,7 +487,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         code = 128 + int(stopped.signal or signal.SIGINT)
         err.print(f"interrupted: {stopped.saved_rows} of {stopped.total_rows} rows saved; rerun the same command "
                   f"to resume", highlight=False)
-        log.write("interrupted", signal=_signal_name(stopped.signal), rows_saved=stopped.saved_rows,
+        log.write("interrupted", signal=signal_name(stopped.signal), rows_saved=stopped.saved_rows,
                   total_rows=stopped.total_rows, elapsed_s=round(time.perf_counter() - started, 3), exit_code=code)
         return code
     elapsed = time.perf_counter() - started
@@ -504,11 +505,6 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
               elapsed_s=round(elapsed, 3), finish_s=round(summary["finish_s"], 3), output=summary["output"],
               stats=summary["stats"], exit_code=code)
     return code
-
-
-def _signal_name(signum: int | None) -> str | None:
-    return None if signum is None else signal.Signals(signum).name
-
 
 
 @app.command()

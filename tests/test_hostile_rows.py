@@ -7,10 +7,14 @@ exit 2; per-row settings are read from the JSON values as written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -441,3 +445,54 @@ def test_a_model_failure_a_rerun_cannot_fix_does_not_say_a_rerun_resumes(tmp_pat
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     assert "non-finite logits" in result.output and "rerun the same command to resume" not in result.output
     assert "the same command would fail the same way" in result.output and "--restart" in result.output
+
+
+def start_batchspec(*args) -> subprocess.Popen:
+    """The real command (`python -m batchspec_cli`, as the `batchspec` script runs it) in a new process."""
+    return subprocess.Popen([sys.executable, "-m", "batchspec_cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_command_line_loads_writes_the_interrupted_event(tmp_path, model, signum):
+    """A Ctrl-C in the first seconds (torch still importing) exited 130 with no `interrupted` event in --log-json;
+    a SIGTERM then killed the process by the signal. Never written to a file the command reads."""
+    inp, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "log.jsonl"
+    proc = start_batchspec("generate", inp, tmp_path / "out.parquet", "--target", model, "--log-json", log)
+    time.sleep(0.5)  # importing torch and transformers takes seconds
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["event"], e["signal"], e["total_rows"], e["exit_code"]) for e in events] == \
+        [("interrupted", signal.Signals(signum).name, None, 128 + signum)]
+
+    before = inp.read_bytes()  # --log-json naming the input: the command refuses it, and so does the early event
+    proc = start_batchspec("generate", inp, tmp_path / "out.parquet", "--target", model, f"--log-json={inp}")
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and inp.read_bytes() == before
+
+
+def test_a_stop_after_the_finish_event_leaves_exit_0(tmp_path, model):
+    """OUT complete, the `finish` event written with exit code 0: a SIGINT then killed the process by the signal (or
+    printed a traceback from an atexit hook), so a scheduler saw an interrupted job. SIGINTs every 20 ms from the
+    finish event to the process's end must leave exit 0."""
+    inp, out, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", tmp_path / "log.jsonl"
+    proc = start_batchspec("generate", inp, out, "--target", model, "--mode", "ar", "--max-new-tokens", "6",
+                           "--dtype", "float64", "--quiet", "--log-json", log)
+    sent = 0
+    while proc.poll() is None:
+        if log.exists() and '"finish"' in log.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+                sent += 1
+            time.sleep(0.02)
+        else:
+            time.sleep(0.002)
+    _, err = proc.communicate()
+    assert sent and proc.returncode == 0, (sent, proc.returncode, err)
+    assert "Traceback" not in err and "interrupted" not in err and "StopNow" not in err, err
+    assert [e["event"] for e in map(json.loads, log.read_text().splitlines())][-1] == "finish"
+    assert pq.read_table(out).num_rows == len(GOOD)
