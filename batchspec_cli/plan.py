@@ -236,6 +236,9 @@ def _load(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint: Co
     formats = source.overrides.get("response_format") or ()  # an OpenAI batch's own (TEXT: none)
     constrained = constraint is not None or cfg.response_format_column is not None \
         or any(c not in (None, constraints.TEXT) for c in formats)
+    if constrained and (cfg.stop or cfg.stop_column):  # allowed, as OpenAI and vLLM allow it (README)
+        notes.append("stop strings cut constrained answers too: a row cut by one ends stop_string, and its text may "
+                     "not be valid under its constraint")
     draft_spec, lookup_names = _drafters(cfg, constrained)
     mode = cfg.mode
     if draft_spec is None and not lookup_names and mode != "ar":

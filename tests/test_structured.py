@@ -402,6 +402,29 @@ def test_a_row_asking_for_text_gets_no_constraint_and_a_missing_or_null_one_the_
                                                                                  for t in texts[2:])
 
 
+def test_stop_strings_cut_constrained_rows_as_documented_and_the_start_says_so(model_dir, tmp_path):
+    """Issue 48: --stop with a constraint is allowed, as OpenAI and vLLM allow it (README, Structured output): a
+    stop string cuts a constrained answer like any other ("billing" becomes "b", ending stop_string, not stop), and
+    the run's first lines say so. The oracle: the same run without --stop, cut before the stop string."""
+    from typer.testing import CliRunner
+
+    from batchspec_cli.cli import app
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(CLI_PROMPTS)])
+    choices = ["--choice", "billing", "--choice", "shipping"]
+    assert cli(model_dir, inp, tmp_path / "whole.parquet", *choices).exit_code == 0
+    whole = completions(tmp_path / "whole.parquet")
+    assert all(r["completion"] in ("billing", "shipping") and r["finish_reason"] == "stop" for r in whole)
+    out = tmp_path / "cut.parquet"
+    result = CliRunner().invoke(app, ["generate", str(inp), str(out), "--target", str(model_dir), "--no-chat",
+                                      "--max-new-tokens", "40", "--dtype", "float64", *choices, "--stop", "i"])
+    assert result.exit_code == 0, result.output
+    assert "note: stop strings cut constrained answers too" in result.stdout, result.stdout
+    for cut, full in zip(completions(out), whole):
+        assert (cut["completion"], cut["finish_reason"]) == (full["completion"][: full["completion"].index("i")],
+                                                             "stop_string")
+
+
 def test_out_of_memory_mid_verify_leaves_the_matchers_as_committed(target, draft, references):
     """The masks of a round are taken before its verify forward; a forward that fails after them must find every
     matcher holding the committed tokens only: the halved retry decodes exactly the reference."""
