@@ -11,8 +11,7 @@ the rows of the parts saved so far are kept and a rerun resumes from them).
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
+import gc
 import math
 import os
 import signal
@@ -45,11 +44,13 @@ from .checkpoint import CheckpointError
 from .config import DEFAULT, GenerateConfig, UsageError, bucket_rows, os_error_message, parse_batch_size
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
 from .errors import InputError, one_line
+from .eventlog import JsonLog, interrupted_before_start, signal_name
 from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
 from .files import check_distinct, naming
 from .inputs import TEXT_COLUMNS, read_input
 from .interrupts import StopNow
 from .job import BucketDone, Generation, Interrupted, Started, work_dir_for
+from .models import ModelError
 from .outputs import stats_path_for
 from .stats import acceptance_length
 
@@ -86,7 +87,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 AllowSpecialOpt = Annotated[bool, typer.Option("--allow-special-tokens", help="Let a control token's string in a "
                                                "prompt (<|im_end|>) be that control token. Default: prompt text "
                                                "is text; control tokens come only from the chat template.")]
-PromptColumnOpt = Annotated[str, typer.Option("--prompt-column")]
+PromptColumnOpt = Annotated[str, typer.Option("--prompt-column", help="Column of the prompts (default: prompt, or "
+                                                                   "messages where there is no prompt column).")]
 IdColumnOpt = Annotated[str, typer.Option("--id-column")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--no-chat", help="Apply the tokenizer's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for chat prompts.")]
@@ -180,8 +182,8 @@ def generate(
     json: Annotated[bool, typer.Option("--json", help="Every completion is a JSON object.")] = DEFAULT.json,
     response_format_column: Annotated[Optional[str], typer.Option("--response-format-column", help="Per-row "
                                                                   "constraint: an OpenAI response_format object "
-                                                                  "(json_schema or json_object) or a JSON schema "
-                                                                  "(null: the job's).")] = DEFAULT.response_format_column,
+                                                                  "(json_schema, json_object, or text: none) or a "
+                                                                  "JSON schema (null: the job's).")] = DEFAULT.response_format_column,
     bucket_width: BucketWidthOpt = DEFAULT.bucket_width,
     stats: Annotated[Optional[Path], typer.Option(help="Statistics file (default: OUT stem + .stats.parquet).")]
     = DEFAULT.stats,
@@ -251,8 +253,14 @@ def generate(
     except OSError as exc:
         raise fail(f"--log-json {log_json}: cannot open for writing ({exc.strerror or exc})") from None
     with log:
+        received: list[int] = []  # stop signals while the job opens
+
+        def stop_at_once(signum, frame) -> None:
+            received.append(signum)
+            interrupts.raise_stop(signum, frame)
+
         try:
-            with _raise_on_signals(), interrupts.kept() as swallowed:
+            with _handling_signals(stop_at_once), interrupts.kept() as swallowed:
                 job = Generation.open(cfg)
                 if swallowed:  # a finalizer swallowed the stop: act on it all the same
                     job.close()
@@ -261,38 +269,21 @@ def generate(
             log.write("error", message=str(exc), exit_code=EXIT_USAGE)
             raise fail(str(exc)) from None
         except (KeyboardInterrupt, StopNow) as exc:  # while the input is read or the models load: nothing saved yet
-            code = 128 + interrupts.signal_of(exc)
-            log.write("interrupted", signal=_signal_name(code - 128), rows_saved=0, total_rows=None, exit_code=code)
-            prepared = work_dir_for(output).exists()  # the job was planned before the stop was seen: it resumes
-            err.print(f"interrupted before any row was generated; "
-                      f"{'rerun the same command to resume' if prepared else 'nothing was written'}", highlight=False)
-            raise typer.Exit(code=code) from None
-        with job, contextlib.ExitStack() as stack:
-            executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray else None
-            code = _run(job, out, log, quiet, executor)
+            raise _interrupted_early(log, output, interrupts.signal_of(exc)) from None
+        except Exception:  # a stop that landed inside a library's import leaves it half made: the stop, not a bug
+            if not received:
+                raise
+            raise _interrupted_early(log, output, received[0]) from None
+        stops = StopSignals()
+        with _handling_signals(stops):
+            with job, contextlib.ExitStack() as stack:
+                executor = _start_ray(job, out, log, ray_address, ray_workers, ray_block_rows, stack) if use_ray \
+                    else None
+                code = _run(job, out, log, quiet, stops, executor)
+            del job, executor  # the models are freed now, under the handlers: it takes a while, and a finished
+            gc.collect()  # job must not look interrupted meanwhile
     if code:
         raise typer.Exit(code=code)
-
-
-class JsonLog:
-    """One JSON object per line, flushed at once, for schedulers (`--log-json`); appends across reruns."""
-
-    def __init__(self, path: Path | None):
-        self.file = open(path, "a", encoding="utf-8") if path is not None else None
-
-    def write(self, event: str, **fields) -> None:
-        if self.file is None:
-            return
-        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-        self.file.write(json.dumps({"event": event, "time": now, **fields}, default=str) + "\n")
-        self.file.flush()
-
-    def __enter__(self) -> "JsonLog":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 @contextlib.contextmanager
@@ -311,19 +302,39 @@ def _handling_signals(handler):
             signal.signal(sig, old)
 
 
-def _raise_on_signals():
-    """SIGINT / SIGTERM / SIGHUP raise StopNow (the job is not running yet: there is nothing to finish first)."""
-    return _handling_signals(interrupts.raise_stop)
+def _interrupted_early(log: JsonLog, output: Path, signum: int) -> typer.Exit:
+    """A stop while the input is read or the models load: nothing saved yet. One line; the exit of the signal."""
+    interrupted_before_start(log, signum)
+    prepared = work_dir_for(output).exists()  # the job was planned before the stop was seen: it resumes
+    err.print(f"interrupted before any row was generated; "
+              f"{'rerun the same command to resume' if prepared else 'nothing was written'}", highlight=False)
+    return typer.Exit(code=128 + signum)
 
 
-def _stop_on_signals(job: Generation):
-    """SIGINT / SIGTERM / SIGHUP ask the job to stop after the current step; a second one acts at once."""
-    def handler(signum, frame):
-        if job.stop_requested:
+class StopSignals:
+    """What SIGINT / SIGTERM / SIGHUP do once a job is open: stop at once (StopNow), except while its rows run
+    (``running``), when the first asks the job to stop after the current step and a second acts at once; once OUT
+    is complete (``finished``), nothing: the job's own exit code (0 or 3) stands, and a scheduler never sees a
+    finished job as an interrupted one."""
+
+    def __init__(self):
+        self.job: Generation | None = None  # the job whose rows are running
+        self.finished = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.finished:
+            return
+        if self.job is None or self.job.stop_requested:
             raise StopNow(signum)
-        job.stop(signum)
+        self.job.stop(signum)
 
-    return _handling_signals(handler)
+    @contextlib.contextmanager
+    def running(self, job: Generation):
+        self.job = job
+        try:
+            yield
+        finally:
+            self.job = None
 
 
 def _start_ray(job: Generation, out: Console, log: JsonLog, address, workers, block_rows, stack):
@@ -435,7 +446,7 @@ def _measured(event: WidthChosen) -> str:
     return f" (auto: plain-step tokens/s by width {rates}; stopped at {event.stopped})"
 
 
-def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None) -> int:
+def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, stops: StopSignals, executor=None) -> int:
     """Stream the job's events to a progress bar and the JSON log; write the files; return the exit code.
 
     ``executor``: a ``distributed.RayExecutor`` (or None: this process's engine); its ``BlockDone``
@@ -446,7 +457,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
     stopped: Interrupted | None = None
     events = job.events(run=executor.run if executor is not None else None)
     try:
-        with progress.bar, _stop_on_signals(job):
+        with progress.bar, stops.running(job):
             for event in events:
                 for view in views:
                     handler = view.handlers.get(type(event))
@@ -457,23 +468,32 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
             if stopped is None:
                 events.close()
                 summary = job.finish()  # under the signal handlers: a stop asked now lets the files be written
+                stops.finished = True  # OUT is complete: from here on a stop signal changes nothing
     except (KeyboardInterrupt, StopNow) as exc:  # a second signal: the finished rows are saved all the same
         events.close()
         stopped = Interrupted(saved_rows=job.saved_rows, total_rows=total,
                               signal=interrupts.signal_of(exc))
-    except (OSError, CheckpointError, NonFiniteLogits) as exc:  # the machine, the work directory, the model: one line
+    except (OSError, CheckpointError) as exc:  # the machine or the work directory: once it is fixed, a rerun resumes
         events.close()
         message = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
         log.write("failed", error=message, rows_saved=job.saved_rows, total_rows=total, exit_code=1)
         err.print(f"[bold red]error:[/] {escape(message)}; {job.saved_rows} of {total} rows saved; "
                   f"rerun the same command to resume", highlight=False)
         return 1
+    except (NonFiniteLogits, ModelError) as exc:  # the model: the same command would fail the same way
+        events.close()
+        log.write("failed", error=str(exc), rows_saved=job.saved_rows, total_rows=total, exit_code=1)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}; {job.saved_rows} of {total} rows saved, but the same "
+                  f"command would fail the same way: fix the model, or change it or --dtype and pass --restart",
+                  highlight=False)
+        return 1
     except Exception as exc:  # a bug: say what is kept, then show the traceback (exit 1)
         events.close()
         log.write("failed", error=one_line(exc), rows_saved=job.saved_rows,
                   total_rows=total, exit_code=1)
-        err.print(f"[bold red]error:[/] the run failed; {job.saved_rows} of {total} rows are saved and rerunning "
-                  f"the same command resumes", highlight=False)
+        err.print(f"[bold red]error:[/] the run failed unexpectedly (a bug: the traceback follows); {job.saved_rows} "
+                  f"of {total} rows are saved, and once the cause is fixed rerunning the same command resumes from "
+                  f"them", highlight=False)
         raise
     finally:
         events.close()
@@ -481,7 +501,7 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
         code = 128 + int(stopped.signal or signal.SIGINT)
         err.print(f"interrupted: {stopped.saved_rows} of {stopped.total_rows} rows saved; rerun the same command "
                   f"to resume", highlight=False)
-        log.write("interrupted", signal=_signal_name(stopped.signal), rows_saved=stopped.saved_rows,
+        log.write("interrupted", signal=signal_name(stopped.signal), rows_saved=stopped.saved_rows,
                   total_rows=stopped.total_rows, elapsed_s=round(time.perf_counter() - started, 3), exit_code=code)
         return code
     elapsed = time.perf_counter() - started
@@ -499,11 +519,6 @@ def _run(job: Generation, out: Console, log: JsonLog, quiet: bool, executor=None
               elapsed_s=round(elapsed, 3), finish_s=round(summary["finish_s"], 3), output=summary["output"],
               stats=summary["stats"], exit_code=code)
     return code
-
-
-def _signal_name(signum: int | None) -> str | None:
-    return None if signum is None else signal.Signals(signum).name
-
 
 
 @app.command()

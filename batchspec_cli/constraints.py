@@ -54,7 +54,7 @@ class Constraint:
     """What a row's completion must match. ``text``: the schema (canonical JSON), the regex, or the choices as a
     JSON list; ``error``: why a row's own constraint cannot be used (that row becomes an error row)."""
 
-    kind: str  # json_schema | json | regex | choice | invalid
+    kind: str  # json_schema | json | regex | choice | invalid | text (a row's own: none, ``TEXT``)
     text: str = ""
     error: str | None = None
 
@@ -78,6 +78,18 @@ class Constraint:
 
 def invalid(error: str) -> Constraint:
     return Constraint("invalid", error=error)
+
+
+# A row's own ``{"type": "text"}``: no constraint, whatever the job's. Not None, which is a missing or null
+# response_format: that row takes the job's constraint (``of_row``).
+TEXT = Constraint("text")
+
+
+def of_row(own: Constraint | None, job: Constraint | None) -> Constraint | None:
+    """The constraint a row decodes under: its own response_format's (``TEXT``: none), else the job's."""
+    if own is None:
+        return job
+    return None if own == TEXT else own
 
 
 def _parsed(value, what: str):
@@ -115,15 +127,15 @@ def any_json() -> Constraint:
     return Constraint("json")
 
 
-def from_response_format(value) -> Constraint | None:
-    """An OpenAI ``response_format`` object (as a dict or JSON text), or a bare JSON schema; None for
-    ``{"type": "text"}`` (no constraint). ConstraintError names what is wrong with it."""
+def from_response_format(value) -> Constraint:
+    """An OpenAI ``response_format`` object (as a dict or JSON text), or a bare JSON schema; ``TEXT`` for
+    ``{"type": "text"}`` (no constraint, not even the job's). ConstraintError names what is wrong with it."""
     value = _without_nulls(_parsed(value, "response_format"))
     if not isinstance(value, dict):
         raise ConstraintError(f"response_format must be a JSON object, got {value!r}")
     kind = value.get("type")
     if kind == "text" and set(value) == {"type"}:
-        return None
+        return TEXT
     if kind == "json_object":
         return any_json()
     if kind == "json_schema" and "properties" not in value:
@@ -154,6 +166,8 @@ def problem(constraint: Constraint) -> str | None:
     """What is wrong with a constraint (an invalid schema or regex, an unsupported keyword), or None."""
     if constraint.error is not None:
         return constraint.error
+    if constraint == TEXT:
+        return None
     from llguidance import LLMatcher
 
     try:

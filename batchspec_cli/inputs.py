@@ -36,6 +36,8 @@ from .outputs import EXTRA_OUTPUT_COLUMNS, OUTPUT_COLUMNS
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 DEFAULT_ID_COLUMN = "id"
+DEFAULT_PROMPT_COLUMN = "prompt"
+MESSAGES_COLUMN = "messages"  # the OpenAI and Hugging Face chat shape: the prompts where there is no `prompt` column
 MAX_NESTING = 32  # a column nested deeper (lists / objects in lists...) is stored as JSON text: Parquet's limit is ~50
 
 Prompt = str | list[dict]
@@ -156,6 +158,7 @@ class InputTable:
     overrides: dict[str, list] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it fails before generation (an error row)
     endpoints: list[str] | None = None  # [rows] "/v1/chat/completions" | "/v1/completions"
+    prompt_column: str | None = None  # a table's: the column its prompts were read from (``prompt_column_in``)
     # column -> [rows] its values as the input wrote them, for the columns `table` holds as JSON text (a JSONL
     # column that mixes kinds, one nested deeper than MAX_NESTING): what the per-row settings read (`values`).
     written: dict[str, list] = field(default_factory=dict)
@@ -175,9 +178,17 @@ class BadPrompt(ValueError):
     """A prompt cell that is no prompt (null, empty, a message without text...): its row becomes an error row."""
 
 
+def prompt_column_in(names: list[str], asked: str) -> str:
+    """The column the prompts are read from: ``asked`` (--prompt-column), or, where that is the default `prompt`
+    and the input has no such column but a `messages` one, `messages` (rows of chat messages)."""
+    if asked == DEFAULT_PROMPT_COLUMN and asked not in names and MESSAGES_COLUMN in names:
+        return MESSAGES_COLUMN
+    return asked
+
+
 def read_input(
     path: Path,
-    prompt_column: str = "prompt",
+    prompt_column: str = DEFAULT_PROMPT_COLUMN,
     id_column: str = DEFAULT_ID_COLUMN,
     limit: int | None = None,
     store: Path | None = None,
@@ -220,6 +231,7 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     ``where(i)`` names row i in messages (default "row i+1"); ``written``: the values as written of the
     columns the table holds as text (InputTable.written; a ``StoredTable`` holds them as text already);
     ``errors``: rows already refused (an error row each).
+    The prompts are read from ``prompt_column_in(names, prompt_column)``.
     A prompt cell that is no prompt makes its row an error row; a bad id or column refuses the input.
     Prompts and ids are checked a chunk of rows at a time: the input's rows are never all Python objects."""
     where = where if where is not None else (lambda i: f"row {i + 1}")
@@ -229,6 +241,7 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     if len(set(names)) != len(names):
         dupes = sorted({n for n in names if names.count(n) > 1})
         raise InputError(f"{path}: duplicate column names: {', '.join(map(repr, dupes))}")
+    prompt_column = prompt_column_in(names, prompt_column)
     if prompt_column not in names:
         raise InputError(
             f"{path}: no prompt column '{prompt_column}'; columns are: "
@@ -246,7 +259,8 @@ def table_input(path: Path, table: pa.Table | StoredTable, prompt_column: str, i
     written = dict(written or {})
     if isinstance(table, pa.Table):
         table, written = _storable(table, written)
-    inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written)
+    inp = InputTable(path=path, table=table, prompts=[], ids=[], errors=dict(errors or {}), written=written,
+                     prompt_column=prompt_column)
     inp.prompts = Prompts(inp, prompt_column)
     ids = []
     for start in range(0, table.num_rows, CHUNK_ROWS):
@@ -505,11 +519,13 @@ def _column_array(values: list[Any]) -> tuple[pa.Array, bool]:
     """Values of one JSONL column as an Arrow array, and whether it holds them as text.
 
     A column whose values do not unify into one Arrow type (a string in one row, a list in
-    another, an integer too big for 64 bits) becomes a string column: strings stay as they were, every other
-    value is its JSON text (nulls stay null)."""
+    another, an integer too big for 64 bits, a boolean among numbers) becomes a string column: strings stay as
+    they were, every other value is its JSON text (nulls stay null)."""
     try:
         array = pa.array(values)
-        if not _has_empty_struct(array.type):  # Parquet cannot store struct<>
+        if pa.types.is_floating(array.type) and any(v is True or v is False for v in values):
+            pass  # Arrow made the booleans 1.0 and 0.0: not the values as written
+        elif not _has_empty_struct(array.type):  # Parquet cannot store struct<>
             return array, False
     except (pa.ArrowException, OverflowError, TypeError, ValueError, RecursionError):
         pass
@@ -580,12 +596,12 @@ def parse_prompt(value: Any, column: str) -> Prompt:
         raise BadPrompt(f"{at} is null")
     if isinstance(value, str):
         if not value.strip():
-            raise BadPrompt(f"{at} is empty")
+            raise BadPrompt(f"{at} {_blank(value)}")
         return value
     if isinstance(value, list) and value:
         if all(isinstance(v, str) for v in value):  # Spec-Bench `turns`: use the first turn
             if not value[0].strip():
-                raise BadPrompt(f"{at}: first turn is empty")
+                raise BadPrompt(f"{at}: first turn {_blank(value[0])}")
             return value[0]
         if all(isinstance(v, dict) for v in value):
             return parse_messages(value, at)
@@ -610,8 +626,14 @@ def parse_messages(value: list[dict], at: str) -> list[dict]:
         # Parquet structs give every field to every message: drop the null ones.
         messages.append({k: v for k, v in m.items() if v is not None} | {"content": content})
     if not any(m["content"].strip() for m in messages):
-        raise BadPrompt(f"{at}: every message is empty")
+        raise BadPrompt(f"{at}: every message is empty" if not any(m["content"] for m in messages) else
+                        f"{at}: every message is empty or only whitespace")
     return messages
+
+
+def _blank(text: str) -> str:
+    """What a string without text is, for a message: "is empty" or "is only whitespace"."""
+    return "is only whitespace" if text else "is empty"
 
 
 def _joined_parts(parts: list, at: str) -> str:

@@ -37,6 +37,7 @@ import torch
 from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
 from . import __version__
+from . import constraints
 from . import logprobs as lp
 from . import lookup
 from . import merge
@@ -306,7 +307,8 @@ class Generation:
                                   max_new_tokens=row_value(max_new, row, cfg.max_new_tokens), sampling=sampling,
                                   bucket=bucket.index, pad_to=bucket.hi,
                                   logprobs=row_value(logprobs, row, cfg.logprobs), stop=row_value(stops, row, ()),
-                                  constraint=row_value(formats, row, plan.constraint), sample=out - first)
+                                  constraint=constraints.of_row(row_value(formats, row, None), plan.constraint),
+                                  sample=out - first)
         if current is not None:
             self._progress.seal(current)
 

@@ -398,6 +398,7 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
+    check_embedding(name, model.get_input_embeddings().num_embeddings, tokenizer)
     model = model.to(torch_device).eval()
     model.requires_grad_(False)
     check_supported(model, name=name)
@@ -520,13 +521,18 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
 
 def check_draft(spec: str, target: LoadedModel | None, quiet: bool = False) -> tuple[str, Path]:
     """(display name, local directory) of a draft for ``target``, vetted without reading its weights: its config
-    must be supported, and a shared-embedding draft must have been trained against ``target``'s embeddings
-    (what ``load_draft`` refuses, refused before the job starts; the weights load when the draft is first used).
-    Without a loaded target (the Ray driver) the embeddings are compared where the target loads (every worker)."""
+    must be supported, its embedding (by its config) must cover its tokenizer, and a shared-embedding draft must
+    have been trained against ``target``'s embeddings (what ``load_draft`` refuses, refused before the job starts;
+    the weights load when the draft is first used). Without a loaded target (the Ray driver) the borrowed
+    embeddings are compared where the target loads (every worker)."""
     name, folder = _resolve(spec, quiet)
     with _quiet(quiet):
         config = _supported_config(name, folder)
-    if target is not None and (folder / SHARED_DRAFT_FILE).is_file():
+    if not (folder / SHARED_DRAFT_FILE).is_file():
+        rows = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+        if isinstance(rows, int):
+            check_embedding(name, rows, load_tokenizer(spec, quiet)[0])
+    elif target is not None:  # its embeddings are the target's
         try:
             meta = json.loads((folder / SHARED_DRAFT_FILE).read_text())
         except Exception as exc:
@@ -606,6 +612,31 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+# The layer types (transformers' names) that ``check_supported`` refuses, as a user knows them.
+REFUSED_LAYERS = {
+    "linear_attention": "state-space layers, as in Mamba",
+    "hybrid": "hybrid attention and state-space layers",
+    "hybrid_sliding": "hybrid attention and state-space layers",
+    "conv": "convolution layers with a recurrent state",
+    "dummy": "layers that reuse another layer's KV, as in Gemma 3n",  # transformers' cache for a shared-KV layer
+    "mlp": "layers without attention",
+    "moe": "layers without attention",
+}
+
+
+def _refused_layers(kinds: list[str]) -> str:
+    """The refused layer types in words, each with the config's own name ("state-space layers, as in Mamba
+    (linear_attention)"); "dummy" is only transformers' cache's name for a shared-KV layer, so it is not shown."""
+    described: dict[str | None, list[str]] = {}
+    for kind in kinds:
+        described.setdefault(REFUSED_LAYERS.get(kind), []).append(kind)
+    words = []
+    for text, names in described.items():
+        shown = ", ".join(name for name in names if name != "dummy")
+        words.append(f"{shown} layers" if text is None else f"{text} ({shown})" if shown else text)
+    return ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1]
+
+
 def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None = None) -> None:
     """Refuse models whose attention the engine's masks cannot express: full, sliding-window and chunked
     attention layers only (``attention.LAYER_TYPES``), every layer's KV cached per slot.
@@ -627,8 +658,9 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
     others = sorted(kinds - set(attention.LAYER_TYPES)) or sorted(built - set(attention.LAYER_TYPES))
     kinds |= built
     if others:
-        raise ModelError(f"model '{label}' has {', '.join(others)} layers; batchspec supports full, sliding-window "
-                         "and chunked attention layers only")
+        raise ModelError(f"model '{label}' has {_refused_layers(others)}; batchspec realigns each row's KV cache, "
+                         "which needs every layer to be full, sliding-window or chunked attention with its own KV: "
+                         "choose a model built of those (Llama, Qwen2, Mistral, Phi-3, Gemma 2 or 3, ...)")
     windows = {getattr(c, "sliding_window", None) for c in getattr(text, "per_layer_config", None) or [text]}
     if attention.SLIDING in kinds and (None in windows or len(windows) > 1):
         sizes = ", ".join(sorted(map(str, windows)))
@@ -636,6 +668,20 @@ def check_supported(model: PreTrainedModel | PreTrainedConfig, name: str | None 
                          "batchspec supports a single window")
     if attention.CHUNKED in kinds and getattr(text, "attention_chunk_size", None) is None:
         raise ModelError(f"model '{label}' has chunked attention layers without an attention_chunk_size")
+
+
+def check_embedding(name: str, rows: int, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse a model whose input embedding has fewer rows than its tokenizer has ids: a prompt holding such an id
+    would end the run at its prefill, and every rerun the same way (a tokenizer that is not the model's). A special
+    token added without a role (not BOS, EOS, pad, unk or an additional special token: the `<|endoftext|>` a GGUF
+    conversion adds) is left out: neither text nor the chat template produces it."""
+    roleless = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    roleless -= set(tokenizer.all_special_ids)
+    top = max((i for i in tokenizer.get_vocab().values() if i not in roleless), default=-1)
+    if top >= rows:
+        raise ModelError(f"model '{name}' has an embedding of {rows:,} rows but its tokenizer has {len(tokenizer):,} "
+                         f"tokens (ids up to {top:,}): the tokenizer is not the model's; give a model whose tokenizer "
+                         f"and weights belong together")
 
 
 def plain_experts(model: PreTrainedModel) -> None:

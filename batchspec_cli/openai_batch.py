@@ -16,13 +16,13 @@ per-row columns would. A field a body leaves out (or sets to null) takes the com
   ``seed``, ``stop`` (a string or a list: the row's stop strings, besides ``--stop``),
   ``logprobs`` / ``top_logprobs`` (chat) or ``logprobs`` (completions), ``n`` (1-128: ``n`` choices, sample j
   keyed by (seed, custom_id, j), choice 0 the one ``n = 1`` gives; a greedy request's choices are equal),
-  ``response_format`` ``json_object`` (any JSON object) or ``json_schema`` (``strict`` true or false:
-  the schema is enforced either way; ``constraints.py``), an invalid schema making the line an error;
+  ``response_format`` ``json_object`` (any JSON object), ``json_schema`` (``strict`` true or false:
+  the schema is enforced either way; ``constraints.py``), an invalid schema making the line an error, or
+  ``text`` (no constraint, even where the command gives one; a missing or null one takes the command's);
 - recorded, never acted on: ``model`` (the ``--target`` runs; the response names it);
 - accepted because they cannot change the completion: ``user``, ``store``, ``metadata``,
   ``service_tier``, and the neutral values ``stream: false``, ``echo: false``, ``best_of: 1``,
-  ``frequency_penalty: 0``, ``presence_penalty: 0``, ``logit_bias: {}``,
-  ``response_format: {"type": "text"}`` (no constraint);
+  ``frequency_penalty: 0``, ``presence_penalty: 0``, ``logit_bias: {}``;
 - anything else, a bad value, another ``url`` or ``method``: that line becomes an
   error row naming the field (never silently ignored). A line without a string
   ``custom_id``, or a repeated one, fails the job (exit 2): it could not be answered.
@@ -202,20 +202,20 @@ def parse_request(line: dict) -> tuple[Prompt, dict[str, Any]]:
     logprobs = _logprobs(body, url)
     if logprobs is not None:
         values["logprobs"] = logprobs
-    constraint = _response_format(body["response_format"]) if "response_format" in body else None
-    if constraint is not None:
-        values["response_format"] = constraint
+    if "response_format" in body:  # text: no constraint, not even the command's (``constraints.TEXT``)
+        values["response_format"] = _response_format(body["response_format"])
     return prompt, values
 
 
-def _response_format(value) -> constraints.Constraint | None:
-    """The constraint of a ``response_format`` (None for ``text``); RequestError naming what is wrong."""
+def _response_format(value) -> constraints.Constraint:
+    """The constraint of a ``response_format`` (``constraints.TEXT`` for ``text``); RequestError naming what is
+    wrong."""
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
         raise RequestError(f"response_format must be an object of type text, json_object or json_schema, "
                            f"got {value!r}")
     try:
         constraint = constraints.from_response_format(value)
-        error = constraints.problem(constraint) if constraint is not None else None
+        error = constraints.problem(constraint)
     except constraints.ConstraintError as exc:
         error = str(exc)
     if error:
@@ -293,8 +293,10 @@ def _prompt_text(prompt) -> str:
         prompt = prompt[0]
     if isinstance(prompt, list):
         raise RequestError("'prompt' must be one string (lists of prompts and token ids are not supported)")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str) or not prompt:
         raise RequestError("'prompt' must be a non-empty string")
+    if not prompt.strip():
+        raise RequestError("'prompt' is only whitespace")
     return prompt
 
 

@@ -251,8 +251,12 @@ def _describe(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint
     """Choose the drafters, check the tokenizers and the draft's config, and read the target's facts: no weights
     are read (``assembly.assemble`` loads them where the engine runs)."""
     notes = []
+    formats = source.overrides.get("response_format") or ()  # an OpenAI batch's own (TEXT: none)
     constrained = constraint is not None or cfg.response_format_column is not None \
-        or any(source.overrides.get("response_format") or ())  # an OpenAI batch's own response_format
+        or any(c not in (None, constraints.TEXT) for c in formats)
+    if constrained and (cfg.stop or cfg.stop_column):  # allowed, as OpenAI and vLLM allow it (README)
+        notes.append("stop strings cut constrained answers too: a row cut by one ends stop_string, and its text may "
+                     "not be valid under its constraint")
     draft_spec, lookup_names = _drafters(cfg, constrained)
     mode = cfg.mode
     if draft_spec is None and not lookup_names and mode != "ar":
@@ -271,6 +275,9 @@ def _describe(cfg: GenerateConfig, stats_path: Path, source: _Source, constraint
     if source.bucket_dir is not None:
         inp, overrides = _read_bucket_dir(cfg, source.manifest, target)
     notes += openai_batch.model_notes(inp, target.name)
+    if inp.prompt_column not in (None, cfg.prompt_column):  # no `prompt` column: its `messages` are the prompts
+        notes.append(f"no '{cfg.prompt_column}' column: the prompts are the chat messages of column "
+                     f"'{inp.prompt_column}'")
     samples = job_samples(cfg, len(inp.ids), overrides.get("n"))
     if samples.written and SAMPLE_COLUMN in inp.table.column_names:
         raise UsageError(f"{cfg.input}: input column {SAMPLE_COLUMN!r} clashes with the output's sample column "

@@ -40,8 +40,9 @@ def setting_columns(cfg: GenerateConfig) -> list[str]:
 
 def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
     """Per-row temperature / seed / max_new_tokens / top_p / logprobs / stop strings from input columns, read from
-    the values as the input wrote them (a list stays a list in a column that mixes kinds); InputError on a bad cell.
-    """
+    the values as the input wrote them (a list stays a list in a column that mixes kinds; a boolean stays a boolean);
+    InputError naming the row and column on a bad cell (a NaN, an infinity, a boolean, a value out of range); null
+    takes the job's flag."""
     out = {}
     for name, (attr, kind, smallest, flag) in OVERRIDES.items():
         column = getattr(cfg, attr)
@@ -51,7 +52,7 @@ def row_overrides(inp: InputTable, cfg: GenerateConfig) -> dict[str, list]:
             raise InputError(f"{cfg.input}: {flag} names column {column!r}, which is not in the input")
         values = []
         for i, value in enumerate(inp.values(column)):
-            if value is None or (isinstance(value, float) and value != value):
+            if value is None:  # a NaN is no null: it is refused below, like an infinity
                 values.append(None)
                 continue
             number = _as_number(value, kind)
@@ -103,7 +104,8 @@ def stop_cells(inp: InputTable, column: str, source) -> list[tuple[str, ...]]:
 
 def response_format_cells(inp: InputTable, column: str, source) -> list[Constraint | None]:
     """Per-row constraints from a column of response_format objects or JSON schemas (as objects or JSON text;
-    null: the job's). A cell that cannot be used is an ``invalid`` constraint: that row becomes an error row."""
+    ``{"type": "text"}``: none, ``constraints.TEXT``; null: the job's). A cell that cannot be used is an ``invalid``
+    constraint: that row becomes an error row."""
     if column not in inp.table.column_names:
         raise InputError(f"{source}: --response-format-column names column {column!r}, which is not in the "
                              f"input")
@@ -114,7 +116,7 @@ def response_format_cells(inp: InputTable, column: str, source) -> list[Constrai
             continue
         try:
             constraint = constraints.from_response_format(value)
-            error = constraints.problem(constraint) if constraint is not None else None
+            error = constraints.problem(constraint)
         except constraints.ConstraintError as exc:
             error = str(exc)
         out.append(constraints.invalid(f"column {column!r}: {error}") if error else constraint)

@@ -29,7 +29,7 @@ from . import models
 from . import sampling
 from .config import DEFAULT
 from .errors import InputError
-from .inputs import JSONL_SUFFIXES, BadPrompt, parse_prompt
+from .inputs import DEFAULT_PROMPT_COLUMN, JSONL_SUFFIXES, BadPrompt, parse_prompt, prompt_column_in
 from .outputs import read_completions, read_run_metadata
 from .prompts import render_prompt
 from .row_settings import OVERRIDES, row_value
@@ -113,7 +113,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     skipped = len(rows) - len(candidates)
     if sample is not None and sample < len(candidates):
         candidates = sorted(random.Random(seed).sample(candidates, sample))
-    prompt_column = settings.run("prompt_column")
+    prompt_column = prompt_column_in(table.column_names, settings.run("prompt_column") or DEFAULT_PROMPT_COLUMN)
     if prompt_column not in table.column_names:
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,
@@ -216,15 +216,13 @@ class GrammarMask:
 
 
 def _mask_for(meta: dict, row: dict, tokenizer, eos: list[int], vocab: int, prompt_len: int) -> GrammarMask | None:
-    """The row's constraint as the run had it: its response_format cell, else the job's (the run's metadata)."""
+    """The row's constraint as the run had it: its response_format cell (``{"type": "text"}``: none), else the
+    job's (the run's metadata)."""
     from . import constraints
 
-    constraint = None
-    column = meta.get("response_format_column")
-    if column and row.get(column) is not None:
-        constraint = constraints.from_response_format(row[column])
-    elif meta.get("constraint"):
-        constraint = constraints.Constraint(meta["constraint"]["kind"], meta["constraint"]["text"])
+    column, job = meta.get("response_format_column"), meta.get("constraint")
+    own = constraints.from_response_format(row[column]) if column and row.get(column) is not None else None
+    constraint = constraints.of_row(own, constraints.Constraint(job["kind"], job["text"]) if job else None)
     if constraint is None:
         return None
     key = (id(tokenizer), tuple(eos))

@@ -7,12 +7,17 @@ exit 2; per-row settings are read from the JSON values as written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -77,7 +82,10 @@ def same_as_clean(out: Path, clean: dict[str, dict]) -> None:
 
 BAD_PROMPTS = {
     "null": (None, "is null"),
-    "whitespace": ("  \n\t ", "is empty"),
+    "empty": ("", "column 'prompt' is empty"),
+    "whitespace": ("  \n\t ", "column 'prompt' is only whitespace"),  # issue 48: not "is empty"
+    "whitespace turn": (["  ", "second"], "first turn is only whitespace"),
+    "whitespace messages": ([{"role": "user", "content": " \n"}], "every message is empty or only whitespace"),
     "message without text": ([{"role": "user"}], "no string 'content'"),
     "image part": ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
                    "only text content parts"),
@@ -311,3 +319,180 @@ def test_overwrite_never_replaces_what_is_not_a_regular_file(tmp_path, model):
     refused(generate(write_jsonl(tmp_path / "in.jsonl", GOOD), fifo, model, "--overwrite"), "FIFO",
             "not a regular file")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+# --------------------------------------------------------------------------- round three (issue 48)
+
+
+@pytest.mark.parametrize("suffix, flag, cells, row", [
+    (".jsonl", "--temperature-column", [0.5, float("nan")], "row 2"),  # JSON's NaN
+    (".jsonl", "--temperature-column", [0.5, True], "row 2"),  # Arrow would make it 1.0
+    (".jsonl", "--temperature-column", [True, 0.5], "row 1"),
+    (".parquet", "--temperature-column", [0.5, float("nan")], "row 2"),
+    (".parquet", "--temperature-column", [True, False], "row 1"),
+    (".parquet", "--top-p-column", [0.5, float("nan")], "row 2"),
+    (".jsonl", "--temperature-column", [0.5, -1.0], "row 2"),  # the negative cell these must behave like
+])
+def test_a_nan_or_boolean_setting_cell_is_refused_naming_row_and_column_like_a_negative_one(tmp_path, model, suffix,
+                                                                                           flag, cells, row):
+    """A NaN was taken as null (the row decoded greedily, exit 0) and a boolean as 1.0: refused as a negative or an
+    infinite cell is, with one line naming the row and the column, nothing written."""
+    rows = [{**prompt, "s": cell} for prompt, cell in zip(GOOD, cells)]
+    inp = tmp_path / f"in{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(inp, rows)
+    else:
+        pq.write_table(pa.table({"id": [r["id"] for r in rows], "prompt": [r["prompt"] for r in rows],
+                                 "s": [r["s"] for r in rows]}), inp)
+    refused(generate(inp, tmp_path / "out.parquet", model, flag, "s"), row, "column 's'")
+    assert not (tmp_path / "out.parquet").exists()
+
+
+def test_a_column_mixing_booleans_and_numbers_passes_through_as_written(tmp_path, model):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{**GOOD[0], "flag": 0.5}, {**GOOD[1], "flag": True}])
+    assert generate(inp, tmp_path / "out.parquet", model).exit_code == 0
+    assert [r["flag"] for r in pq.read_table(tmp_path / "out.parquet").to_pylist()] == ["0.5", "true"]
+
+
+def test_a_messages_column_is_the_prompts_where_there_is_no_prompt_column_and_the_start_says_so(tmp_path, model,
+                                                                                               clean):
+    """The OpenAI / Hugging Face chat shape, `{"id", "messages": [...]}`, was refused ("no prompt column"): its
+    messages are the prompts, as the same messages in a `prompt` column are, and the run's first line says so."""
+    chats = [{"id": "c", "messages": GOOD[2]["prompt"]},
+             {"id": "s", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}]
+    as_prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": r["id"], "prompt": r["messages"]} for r in chats])
+    assert generate(as_prompts, tmp_path / "expected.parquet", model).exit_code == 0
+    expected = table(tmp_path / "expected.parquet")
+    assert expected["c"]["completion_token_ids"] == clean["c"]["completion_token_ids"]
+    jsonl = write_jsonl(tmp_path / "chats.jsonl", chats)
+    parquet = tmp_path / "chats.parquet"
+    pq.write_table(pa.Table.from_pylist(chats), parquet)
+    for inp in (jsonl, parquet):
+        out = tmp_path / f"out-{inp.suffix[1:]}.parquet"
+        result = cli.invoke(app, ["generate", str(inp), str(out), "--target", str(model), "--mode", "ar",
+                                  "--max-new-tokens", "6", "--dtype", "float64"])
+        assert result.exit_code == 0, result.output
+        start = result.stdout.split("wrote ")[0]  # the lines before the rows run: the start line and its notes
+        assert "note: no 'prompt' column: the prompts are the chat messages of column 'messages'" in start, start
+        got = table(out)
+        assert {k: r["completion_token_ids"] for k, r in got.items()} == \
+            {k: r["completion_token_ids"] for k, r in expected.items()}
+    checked = cli.invoke(app, ["verify", str(tmp_path / "out-jsonl.parquet"), "--device", "cpu"])
+    assert checked.exit_code == 0 and "0 unexplained" in checked.output, checked.output
+    refused(generate(jsonl, tmp_path / "named.parquet", model, "--prompt-column", "text"), "no prompt column 'text'")
+
+
+@pytest.mark.parametrize("config, words", [
+    ("mamba", "has state-space layers, as in Mamba"),
+    ("gemma3n", "has layers that reuse another layer's KV, as in Gemma 3n"),
+])
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+def test_a_state_space_or_shared_kv_model_is_refused_in_words_a_user_knows_and_says_what_to_do(tmp_path, model,
+                                                                                             config, words, role):
+    """It said "has linear_attention layers" (Mamba) and "has dummy layers" (Gemma 3n's shared-KV layers)."""
+    from transformers import Gemma3nTextConfig, MambaConfig
+
+    from conftest import make_tokenizer
+
+    made = {"mamba": lambda: MambaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2),
+            "gemma3n": lambda: Gemma3nTextConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                                                 head_dim=16, num_kv_shared_layers=2)}[config]()
+    folder = tmp_path / config
+    made.save_pretrained(folder)  # no weights: the config is refused before any are read
+    make_tokenizer(folder)
+    models = ["--target", folder] if role == "--target" else ["--target", model, "--draft", folder]
+    inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    result = cli.invoke(app, ["generate", str(inp), str(tmp_path / "out.parquet"), *map(str, models), "--mode",
+                              "exspec", "--quiet"])
+    refused(result, words, "choose a model built of those")
+    assert "linear_attention layers" not in result.output and "dummy" not in result.output
+    assert not list(tmp_path.glob("*out*"))
+
+
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+def test_an_embedding_smaller_than_the_tokenizer_is_refused_at_load_naming_both_sizes(tmp_path, model, role):
+    """A 60-row embedding with a 100-token tokenizer died at prefill (an IndexError traceback, exit 1, "rerunning
+    resumes"), and its work directory then refused the corrected command until --restart."""
+    import torch
+    from conftest import make_tiny_llama, make_tokenizer
+
+    small = tmp_path / "small"
+    make_tiny_llama(60, seed=0, dtype=torch.float32, layers=1, hidden=32).save_pretrained(small)
+    make_tokenizer(small)
+    inp, out, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", tmp_path / "log.jsonl"
+    models = ["--target", small] if role == "--target" else ["--target", model, "--draft", small]
+    result = cli.invoke(app, ["generate", str(inp), str(out), *map(str, models), "--mode", "exspec", "--quiet",
+                              "--max-new-tokens", "4", "--log-json", str(log)])
+    refused(result, f"model '{small}'", "embedding of 60 rows", "tokenizer has 100 tokens")
+    assert "rerun" not in result.output
+    assert not out.exists() and not list(tmp_path.glob(".out.parquet*"))  # no work directory left behind
+    assert [json.loads(line)["event"] for line in log.read_text().splitlines()] == ["error"]
+    assert generate(inp, out, model).exit_code == 0  # the corrected command runs
+
+
+def test_a_model_failure_a_rerun_cannot_fix_does_not_say_a_rerun_resumes(tmp_path):
+    """A model that gives a NaN logit fails every rerun the same way: the message says what to change instead."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    folder = save_tiny_model_dir(tmp_path / "nan", seed=0, layers=1, hidden=32)
+    broken = LlamaForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        broken.lm_head.weight[7, 0] = float("nan")
+    broken.save_pretrained(folder)
+    result = generate(write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", folder)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "non-finite logits" in result.output and "rerun the same command to resume" not in result.output
+    assert "the same command would fail the same way" in result.output and "--restart" in result.output
+
+
+def start_batchspec(*args) -> subprocess.Popen:
+    """The real command (`python -m batchspec_cli`, as the `batchspec` script runs it) in a new process."""
+    return subprocess.Popen([sys.executable, "-m", "batchspec_cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_while_the_command_line_loads_writes_the_interrupted_event(tmp_path, model, signum):
+    """A Ctrl-C in the first seconds (torch still importing) exited 130 with no `interrupted` event in --log-json;
+    a SIGTERM then killed the process by the signal. Never written to a file the command reads."""
+    inp, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "log.jsonl"
+    proc = start_batchspec("generate", inp, tmp_path / "out.parquet", "--target", model, "--log-json", log)
+    time.sleep(0.5)  # importing torch and transformers takes seconds
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["event"], e["signal"], e["total_rows"], e["exit_code"]) for e in events] == \
+        [("interrupted", signal.Signals(signum).name, None, 128 + signum)]
+
+    before = inp.read_bytes()  # --log-json naming the input: the command refuses it, and so does the early event
+    proc = start_batchspec("generate", inp, tmp_path / "out.parquet", "--target", model, f"--log-json={inp}")
+    time.sleep(0.5)
+    proc.send_signal(signum)
+    proc.communicate(timeout=120)  # the stop, or the refusal when it came first: the input untouched either way
+    assert proc.returncode in (128 + signum, 2) and inp.read_bytes() == before
+
+
+def test_a_stop_after_the_finish_event_leaves_exit_0(tmp_path, model):
+    """OUT complete, the `finish` event written with exit code 0: a SIGINT then killed the process by the signal (or
+    printed a traceback from an atexit hook), so a scheduler saw an interrupted job. SIGINTs every 20 ms from the
+    finish event to the process's end must leave exit 0."""
+    inp, out, log = write_jsonl(tmp_path / "in.jsonl", GOOD), tmp_path / "out.parquet", tmp_path / "log.jsonl"
+    proc = start_batchspec("generate", inp, out, "--target", model, "--mode", "ar", "--max-new-tokens", "6",
+                           "--dtype", "float64", "--quiet", "--log-json", log)
+    sent = 0
+    while proc.poll() is None:
+        if log.exists() and '"finish"' in log.read_text():
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGINT)
+                sent += 1
+            time.sleep(0.02)
+        else:
+            time.sleep(0.002)
+    _, err = proc.communicate()
+    assert sent and proc.returncode == 0, (sent, proc.returncode, err)
+    assert "Traceback" not in err and "interrupted" not in err and "StopNow" not in err, err
+    assert [e["event"] for e in map(json.loads, log.read_text().splitlines())][-1] == "finish"
+    assert pq.read_table(out).num_rows == len(GOOD)

@@ -182,7 +182,7 @@ def test_missing_prompt_column(tmp_path, suffix):
         ({"text": "hi"}, "expected a string"),
         ([1, 2], "expected a string"),
         ("", "empty"),
-        ("   \n\t", "empty"),
+        ("   \n\t", "only whitespace"),
         ([], "empty"),
     ],
 )
@@ -202,7 +202,7 @@ def test_bad_prompt_value_jsonl(tmp_path, value, needle):
         (pa.array(["ok", None], pa.string()), "row 2", "null"),
         (pa.array([float("nan"), 1.5]), "row 1", "null"),  # a float column: NaN first
         (pa.array([1, 2]), "row 1", "expected a string"),
-        (pa.array(["ok", "  "]), "row 2", "empty"),
+        (pa.array(["ok", "  "]), "row 2", "only whitespace"),
     ],
 )
 def test_bad_prompt_value_parquet(tmp_path, column, where, needle):

@@ -380,7 +380,8 @@ def test_check_supported_accepts_full_sliding_and_chunked_attention(tiny_target)
 @pytest.mark.parametrize(
     "config, why",
     [
-        (_tiny(LlamaConfig, layer_types=["linear_attention", "full_attention"]), "linear_attention layers"),
+        (_tiny(LlamaConfig, layer_types=["linear_attention", "full_attention"]),
+         r"state-space layers, as in Mamba \(linear_attention\)"),
         (_tiny(Gemma2Config, sliding_window=None), "without one window size"),
         (T5Config(), "encoder-decoder"),
     ],

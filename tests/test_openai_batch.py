@@ -16,7 +16,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from typer.testing import CliRunner
 
-from batchspec_cli import openai_batch
+from batchspec_cli import constraints, openai_batch
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult, Sampling, TokenLogprob
@@ -260,6 +260,9 @@ def chat(**body) -> dict:
     (request("x", {"prompt": "hi"}), "'prompt' is a /v1/completions field"),
     (request("x", {"prompt": ["a", "b"]}, openai_batch.COMPLETIONS), "one string"),
     (request("x", {"prompt": [1, 2]}, openai_batch.COMPLETIONS), "one string"),
+    (request("x", {"prompt": ""}, openai_batch.COMPLETIONS), "'prompt' must be a non-empty string"),
+    (request("x", {"prompt": " \n\t"}, openai_batch.COMPLETIONS), "'prompt' is only whitespace"),  # issue 48
+    (request("x", {"messages": [{"role": "user", "content": "  "}]}), "every message is empty or only whitespace"),
 ])
 def test_unsupported_or_bad_requests_are_named(line, needle):
     with pytest.raises(openai_batch.RequestError, match=None) as info:
@@ -275,7 +278,7 @@ def test_honoured_fields_become_the_rows_settings():
         model="gpt", n=1, service_tier=None, frequency_penalty=None))
     assert prompt == [{"role": "user", "content": "hi"}]
     assert values == {"max_new_tokens": 7, "temperature": 0.5, "top_p": 0.8, "seed": -3, "stop": ("##",),
-                      "logprobs": 4, "n": 1}
+                      "logprobs": 4, "n": 1, "response_format": constraints.TEXT}  # text: none, not the command's
     _, values = openai_batch.parse_request(chat(logprobs=True))
     assert values == {"logprobs": 0}
     _, values = openai_batch.parse_request(chat(logprobs=False))

@@ -238,7 +238,7 @@ def test_bad_constraints():
     assert constraints.problem(constraints.json_schema(SCHEMA)) is None
     with pytest.raises(constraints.ConstraintError):
         constraints.json_schema("{not json")
-    assert constraints.from_response_format({"type": "text"}) is None
+    assert constraints.from_response_format({"type": "text"}) == constraints.TEXT  # none, not even the job's
     assert constraints.from_response_format({"type": "json_object"}) == constraints.any_json()
     wrapped = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": SCHEMA}}
     assert constraints.from_response_format(json.dumps(wrapped)) == constraints.json_schema(SCHEMA)
@@ -357,6 +357,77 @@ def test_cli_response_format_column_and_openai_batch(model_dir, tmp_path):
     assert answers[4]["error"] is not None and "objectx" in answers[4]["error"]["message"]
     for i in (0, 1, 2, 3, 5):
         assert answers[i]["response"]["body"]["choices"][0]["text"] == rows[i]["completion"], i
+
+
+@pytest.mark.parametrize("job_flag", ["--regex", "--json-schema"])
+def test_a_row_asking_for_text_gets_no_constraint_and_a_missing_or_null_one_the_jobs(model_dir, tmp_path, job_flag):
+    """Issue 48: under a job-level constraint, a row whose response_format is ``{"type": "text"}`` (a column cell, as
+    an object or as JSON text, or an OpenAI line) decodes with no constraint at all; a null or missing one takes the
+    job's. The oracles: the same prompts run with no constraint, and with the job's flag alone."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from batchspec_cli.cli import app
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    flag = [job_flag, "[a-c]{2,6}" if job_flag == "--regex" else schema]
+    prompts = CLI_PROMPTS[:4]
+    plain_in = write_jsonl(tmp_path / "plain.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(prompts)])
+    assert cli(model_dir, plain_in, tmp_path / "plain.parquet").exit_code == 0
+    assert cli(model_dir, plain_in, tmp_path / "job.parquet", *flag).exit_code == 0
+    plain = [r["completion_token_ids"] for r in completions(tmp_path / "plain.parquet")]
+    job = [r["completion_token_ids"] for r in completions(tmp_path / "job.parquet")]
+    assert all(p != j for p, j in zip(plain, job))  # the job's constraint changes every one of these rows
+    expected = [plain[0], plain[1], job[2], job[3]]  # text (object, JSON text), null, missing
+
+    cells = [{"rf": {"type": "text"}}, {"rf": json.dumps({"type": "text"})}, {"rf": None}, {}]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p, **c}
+                                              for i, (p, c) in enumerate(zip(prompts, cells))])
+    out = tmp_path / "out.parquet"
+    result = cli(model_dir, inp, out, "--response-format-column", "rf", *flag)
+    assert result.exit_code == 0, result.output
+    assert [r["completion_token_ids"] for r in completions(out)] == expected
+    checked = CliRunner().invoke(app, ["verify", str(out), "--device", "cpu"])  # verify decodes them the same way
+    assert checked.exit_code == 0 and "0 unexplained" in checked.output, checked.output
+
+    formats = [{"type": "text"}, {"type": "text"}, None, "missing"]
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": p, **({} if f == "missing" else {"response_format": f})}}
+             for i, (p, f) in enumerate(zip(prompts, formats))]
+    answer = tmp_path / "answer.jsonl"
+    result = cli(model_dir, write_jsonl(tmp_path / "batch.jsonl", lines), answer, *flag)
+    assert result.exit_code == 0, result.output
+    texts = [json.loads(line)["response"]["body"]["choices"][0]["text"] for line in answer.read_text().splitlines()]
+    assert texts[:2] == [TOKENIZER.decode(t, skip_special_tokens=True) for t in plain[:2]]
+    assert texts[2:] == [TOKENIZER.decode(t, skip_special_tokens=True) for t in job[2:]]
+    if job_flag == "--regex":
+        assert not any(re.fullmatch("[a-c]{2,6}", t) for t in texts[:2]) and all(re.fullmatch("[a-c]{2,6}", t)
+                                                                                 for t in texts[2:])
+
+
+def test_stop_strings_cut_constrained_rows_as_documented_and_the_start_says_so(model_dir, tmp_path):
+    """Issue 48: --stop with a constraint is allowed, as OpenAI and vLLM allow it (README, Structured output): a
+    stop string cuts a constrained answer like any other ("billing" becomes "b", ending stop_string, not stop), and
+    the run's first lines say so. The oracle: the same run without --stop, cut before the stop string."""
+    from typer.testing import CliRunner
+
+    from batchspec_cli.cli import app
+
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(CLI_PROMPTS)])
+    choices = ["--choice", "billing", "--choice", "shipping"]
+    assert cli(model_dir, inp, tmp_path / "whole.parquet", *choices).exit_code == 0
+    whole = completions(tmp_path / "whole.parquet")
+    assert all(r["completion"] in ("billing", "shipping") and r["finish_reason"] == "stop" for r in whole)
+    out = tmp_path / "cut.parquet"
+    result = CliRunner().invoke(app, ["generate", str(inp), str(out), "--target", str(model_dir), "--no-chat",
+                                      "--max-new-tokens", "40", "--dtype", "float64", *choices, "--stop", "i"])
+    assert result.exit_code == 0, result.output
+    assert "note: stop strings cut constrained answers too" in result.stdout, result.stdout
+    for cut, full in zip(completions(out), whole):
+        assert (cut["completion"], cut["finish_reason"]) == (full["completion"][: full["completion"].index("i")],
+                                                             "stop_string")
 
 
 def test_out_of_memory_mid_verify_leaves_the_matchers_as_committed(target, draft, references):
