@@ -76,22 +76,29 @@ HF_SCRIPT = textwrap.dedent("""
 
 VLLM_SCRIPT = textwrap.dedent("""
     import json, os, sys, time
-    began = time.perf_counter()
-    from vllm import LLM, SamplingParams
-    model_dir, prompts_path, max_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    llm = LLM(model=model_dir, dtype="bfloat16", seed=0)
-    tok = llm.get_tokenizer()
-    prompts = [json.loads(line)["prompt"] for line in open(prompts_path)]
-    ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
-           for p in prompts]
-    ids = [list(i["input_ids"]) if hasattr(i, "keys") else list(i) for i in ids]
-    params = SamplingParams(temperature=0.0, max_tokens=max_new)
-    started = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-    generate_s = time.perf_counter() - started
-    print(json.dumps({"startup_s": started - began, "generate_s": generate_s,
-                      "texts": [o.outputs[0].text for o in outs],
-                      "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+
+    def main():  # vLLM starts its engine core in a spawned process: the script needs the __main__ guard
+        began = time.perf_counter()
+        from vllm import LLM, SamplingParams
+        model_dir, prompts_path, max_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        llm = LLM(model=model_dir, dtype="bfloat16", seed=0)
+        tok = llm.get_tokenizer()
+        prompts = [json.loads(line)["prompt"] for line in open(prompts_path)]
+        ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for p in prompts]
+        ids = [list(i["input_ids"]) if hasattr(i, "keys") else list(i) for i in ids]
+        params = SamplingParams(temperature=0.0, max_tokens=max_new)
+        started = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+        generate_s = time.perf_counter() - started
+        print(json.dumps({"startup_s": started - began, "generate_s": generate_s,
+                          "texts": [o.outputs[0].text for o in outs],
+                          "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+
+    if __name__ == "__main__":
+        main()
 """)
 
 
