@@ -36,15 +36,12 @@ from .row_settings import OVERRIDES, row_value
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
 DEFAULT_UNITS = 4.0  # a margin within this many units of the dtype's rounding is a near-tie (docs/design.md)
-MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}  # stored bits
 
 
 def unit(dtype: torch.dtype, magnitude: float) -> float:
     """One unit in the last place of ``dtype`` at ``magnitude``: the spacing of the numbers it can hold there."""
-    info = torch.finfo(dtype)
-    magnitude = max(abs(magnitude), info.tiny)
-    bits = MANTISSA_BITS.get(dtype) or round(-math.log2(info.eps))  # eps = 2 ** -(stored mantissa bits)
-    return 2.0 ** (math.floor(math.log2(magnitude)) - bits)
+    info = torch.finfo(dtype)  # eps: the spacing just above 1, 2 ** -(stored mantissa bits)
+    return 2.0 ** math.floor(math.log2(max(abs(magnitude), info.tiny))) * info.eps
 
 
 @dataclass

@@ -146,6 +146,20 @@ def save_target_and_draft_dirs(root: Path, noise: float = 0.01) -> tuple[Path, P
 
 
 @torch.no_grad()
+def tamper_token(out: Path, row: int, position: int, shift: int) -> None:
+    """Change one completion token of a finished Parquet OUT in place (the run's metadata kept): a token the
+    reference did not choose, for `batchspec verify` to flag."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out)
+    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
+    ids[row][position] = (ids[row][position] + shift) % 100
+    column = table.schema.get_field_index("completion_token_ids")
+    tampered = table.set_column(column, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
+    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+
+
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
     """Per-prompt greedy decoding (batch 1, no padding, DynamicCache).
 

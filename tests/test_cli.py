@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from batchspec_cli.cli import app
 from batchspec_cli.outputs import read_run_metadata
 from batchspec_cli.models import load_model
-from conftest import save_target_and_draft_dirs, greedy_reference, make_tokenizer, save_tiny_model_dir
+from conftest import (save_target_and_draft_dirs, greedy_reference, make_tokenizer, save_tiny_model_dir,
+                      tamper_token)
 
 torch.set_num_threads(1)
 runner = CliRunner()
@@ -94,12 +95,7 @@ def test_verify_flags_a_tampered_row(tmp_path, prompts_jsonl, model_dirs):
     target, _ = model_dirs
     out = tmp_path / "out.parquet"
     assert generate(prompts_jsonl, out, target, "--mode", "ar").exit_code == 0
-    table = pq.read_table(out)
-    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
-    ids[0][1] = (ids[0][1] + 7) % 100  # a token the reference did not choose
-    idx = table.schema.get_field_index("completion_token_ids")
-    tampered = table.set_column(idx, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
-    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+    tamper_token(out, 0, 1, 7)
     result = invoke("verify", out)
     assert result.exit_code == 1 and "1 unexplained" in result.output
 
@@ -114,12 +110,7 @@ def test_verify_audits_sampled_rows_and_flags_a_tampered_one(tmp_path, prompts_j
     plain = tmp_path / "ar.parquet"  # and the same rows whatever produced them
     assert generate(prompts_jsonl, plain, target, *sampled, "--mode", "ar").exit_code == 0
     assert pq.read_table(plain).column("completion").to_pylist() == pq.read_table(out).column("completion").to_pylist()
-    table = pq.read_table(out)
-    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
-    ids[2][0] = (ids[2][0] + 11) % 100
-    idx = table.schema.get_field_index("completion_token_ids")
-    tampered = table.set_column(idx, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
-    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+    tamper_token(out, 2, 0, 11)
     result = invoke("verify", out)
     assert result.exit_code == 1 and "1 unexplained" in result.output, result.output
 

@@ -403,9 +403,8 @@ def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
         covered = Counter((row, col) for rows, start, stop in chunks for row in rows for col in range(start, stop))
         assert covered == Counter((r, c) for r in range(n_rows) for c in range(columns))  # each exactly once
         assert all(len(rows) * (stop - start) <= max(most, 1) for rows, start, stop in chunks)
-        for rows, start, stop in chunks:  # a row's columns come in order: each chunk attends to those before it
-            assert all(c[0] != rows or c[2] <= start for c in chunks[: chunks.index((rows, start, stop))]
-                       if c[0] == rows)
+        for i, (rows, start, _) in enumerate(chunks):  # a row's columns come in order: each attends to those before
+            assert all(stop <= start for earlier, _, stop in chunks[:i] if earlier == rows)
 
 
 @pytest.mark.parametrize("mode", ["ar", "exspec", "auto"])

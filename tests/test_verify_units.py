@@ -3,8 +3,6 @@ changed token does not."""
 
 from __future__ import annotations
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -12,7 +10,7 @@ from typer.testing import CliRunner
 from batchspec_cli import verify
 from batchspec_cli.cli import app
 from batchspec_cli.outputs import read_run_metadata
-from conftest import save_target_and_draft_dirs
+from conftest import save_target_and_draft_dirs, tamper_token
 from test_cli import PROMPTS, write_jsonl
 
 runner = CliRunner()
@@ -61,11 +59,6 @@ def test_a_bfloat16_run_passes_its_audit_and_a_changed_token_does_not(tmp_path, 
     assert meta["dtype"] == "bfloat16" and meta["dtype_reason"] == "asked for (--dtype)"
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 0 and "0 unexplained" in audit.output and "bfloat16 units" in audit.output, audit.output
-    table = pq.read_table(out)
-    ids = [list(x) for x in table.column("completion_token_ids").to_pylist()]
-    ids[1][0] = (ids[1][0] + 13) % 100  # a token the reference did not choose
-    column = table.schema.get_field_index("completion_token_ids")
-    tampered = table.set_column(column, "completion_token_ids", pa.array(ids, pa.list_(pa.int32())))
-    pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
+    tamper_token(out, 1, 0, 13)  # a token the reference did not choose
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 1 and "1 unexplained" in audit.output, audit.output
