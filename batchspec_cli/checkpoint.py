@@ -78,10 +78,12 @@ class LockHeld(CheckpointError):
 
 @dataclass
 class Saved:
-    """What resuming needs of an interrupted job's parts: which rows are done, not their completions."""
+    """What resuming needs of an interrupted job's parts: which rows are done and how long their completions are,
+    not the completions."""
 
     rows: np.ndarray  # [saved rows] int64 row numbers, in part order
     ids: pa.ChunkedArray  # [saved rows] their ids (string), aligned with rows
+    lengths: np.ndarray  # [saved rows] int64 completion tokens, aligned with rows; -1: an error row
     last_step: int  # the highest step number saved (0: none)
     dropped: list[str]  # names of parts that could not be read (their rows will be redone)
 
@@ -252,10 +254,11 @@ class WorkDir:
 
     # ------------------------------------------------------------------ parts
     def load(self) -> Saved:
-        """The row numbers and ids of every readable rows part and the last saved step (the parts' other
-        columns are not read); sets the number of the next part."""
+        """The row numbers, ids and completion lengths of every readable rows part and the last saved step (the
+        parts' other columns are not read); sets the number of the next part."""
         rows: list[np.ndarray] = []
         ids: list[pa.ChunkedArray] = []
+        lengths: list[np.ndarray] = []
         last_step = 0
         dropped: list[str] = []
         numbers = []
@@ -276,7 +279,10 @@ class WorkDir:
                 numbers.append(number)
                 try:
                     if kind == "rows":
-                        table = _read_columns(path, part_schema("rows"), ["row", "id"])
+                        table = _read_columns(path, part_schema("rows"), ["row", "id", "token_ids", "finish_reason"])
+                        ok = pc.not_equal(table.column("finish_reason"), "error").to_numpy(zero_copy_only=False)
+                        tokens = pc.list_value_length(table.column("token_ids")).to_numpy(zero_copy_only=False)
+                        lengths.append(np.where(ok, tokens, -1).astype(np.int64))
                         rows.append(table.column("row").to_numpy())
                         ids.extend(table.column("id").chunks)
                     else:
@@ -287,7 +293,9 @@ class WorkDir:
                     path.unlink(missing_ok=True)
         self._next_part = max(numbers, default=0) + 1
         return Saved(rows=np.concatenate(rows) if rows else np.zeros(0, np.int64),
-                     ids=pa.chunked_array(ids, type=pa.string()), last_step=last_step, dropped=dropped)
+                     ids=pa.chunked_array(ids, type=pa.string()),
+                     lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64), last_step=last_step,
+                     dropped=dropped)
 
     def fresh_merge(self) -> Path:
         """An empty merge/ for the finish (what a finish killed midway left there is removed first)."""

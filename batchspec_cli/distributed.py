@@ -14,7 +14,7 @@ EOS ids: ``plan.JobPlan``); only the workers load models, so the driver needs no
 
 Every block holds rows of one bucket, so every worker still sees same-length prompts. A
 block's events come back together when the block is done, in the order blocks finish;
-the driver renumbers their steps into one sequence and hands rows and steps to the job's
+the driver's job numbers their steps as one sequence (``done.StepNumbering``) and keeps rows and steps in its
 own bookkeeping, so checkpoint parts, resume, fingerprint, lock and the final files are
 the single-process ones. A worker that dies is restarted by Ray and its block is run
 again (Ray Data retries the task); a block that arrives twice is dropped whole, so no row
@@ -44,7 +44,7 @@ from .config import AUTO, AUTO_BLOCK_WIDTH, GenerateConfig
 from .engine import pool_window
 from .events import Request, RowResult, StepStats
 from .assembly import RunsOn, assemble
-from .job import Generation, StepNumbering
+from .job import Generation
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models
@@ -257,7 +257,6 @@ class RayExecutor:
             compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(buckets)), max_tasks_in_flight_per_actor=1),
             num_cpus=self.threads, num_gpus=self.gpus_per_worker or None, batch_format="default")
         seen: set[int] = set()
-        steps = StepNumbering()  # one step sequence for the job, in arrival order
         for out in self._arrivals(ds):
             block = int(out["block"])
             if block in seen:  # a retried block delivered twice: every row is already recorded
@@ -265,17 +264,16 @@ class RayExecutor:
             seen.add(block)
             events = pickle.loads(out["events"])
             rows = [e for e in events if isinstance(e, RowResult)]
-            yield pickle.loads(out["runs_on"])  # the job records the first (Generation.events)
+            # opens the block's events: the job numbers their steps after those before (Generation.events)
+            yield pickle.loads(out["runs_on"])
             yield BlockDone(block=block, bucket=buckets[block], rows=len(rows),
                             errors=sum(r.finish_reason == "error" for r in rows), worker=str(out["worker"]),
                             seconds=float(out["seconds"]))
-            steps.next_run()
-            for event in events:
-                yield steps(event) if isinstance(event, StepStats) else event
+            yield from events
 
     def worker_spec(self) -> WorkerSpec:
         """The spec every worker is built from, once the job's requests were read (their saved rows included)."""
-        return dataclasses.replace(self.spec, preload=tuple(self.job.preloads()))
+        return dataclasses.replace(self.spec, preload=tuple(self.job.done.preloads()))
 
     def _arrivals(self, ds) -> Iterator[dict]:
         """The dataset's output rows as they arrive; ends early once the job is asked to stop.

@@ -73,6 +73,9 @@ class JobPlan:
     manifest: Manifest | None = None
     # [saved rows] the rows an interrupted run of this job saved, by number (their completions stay in its parts)
     resumed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # [saved rows] aligned with resumed: each saved row's completion tokens, -1 for an error row (what the drafters
+    # learn again of it: done.Done.preloads)
+    resumed_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     last_step: int = 0  # the highest step number the interrupted run saved
     resuming: bool = False  # an interrupted run of this job is resumed: its work directory is resumable already
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
@@ -411,8 +414,9 @@ def _resume(cfg: GenerateConfig, work: WorkDir, plan: JobPlan) -> JobPlan:
                           pa.array(plan.samples.input_rows(rows))))).as_py()):
         raise CheckpointError(f"{work.path}: a saved row does not belong to this input; "
                               f"pass --restart to discard the interrupted run's work")
-    resumed = np.unique(rows)  # a row saved twice (never expected) is kept once
-    plan = dataclasses.replace(plan, resumed=resumed, last_step=saved.last_step)
+    resumed, last = np.unique(rows[::-1], return_index=True)  # a row saved twice (never expected) is kept once: its last
+    plan = dataclasses.replace(plan, resumed=resumed, resumed_lengths=saved.lengths[::-1][last],
+                               last_step=saved.last_step)
     if plan.bucket_dir is None:
         settings = tokenizer_settings(cfg, plan.target_name)
         try:

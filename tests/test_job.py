@@ -1,4 +1,4 @@
-"""job.py: StepNumbering (the steps of several engine runs as one sequence: resume, Ray blocks) and
+"""done.py: StepNumbering (the steps of several engine runs as one sequence: resume, Ray blocks) and
 what opening a job undoes when it is refused."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import torch
 from batchspec_cli.checkpoint import WorkDir
 from batchspec_cli.config import GenerateConfig, UsageError
 from batchspec_cli.events import StepStats
-from batchspec_cli.job import Generation, StepNumbering, work_dir_for
+from batchspec_cli.done import StepNumbering
+from batchspec_cli.job import Generation, work_dir_for
 from conftest import make_step
 
 
@@ -51,3 +52,36 @@ def test_a_job_refused_for_a_held_lock_leaves_the_thread_count_as_it_was(tmp_pat
     finally:
         holder.unlock()
         torch.set_num_threads(before)
+
+
+def test_the_job_numbers_the_steps_of_every_engine_run_and_of_a_resumed_one_as_one_sequence(tmp_path, tiny_model_dir):
+    """The one place steps are numbered: an executor whose engine runs (each opened by a ``RunsOn``, as a Ray block's
+    are) number their steps from 1, stopped after its first run and resumed, gives a statistics file of one
+    sequence 1..n, the second run's after the saved steps."""
+    import pyarrow.parquet as pq
+
+    from batchspec_cli.assembly import RunsOn
+    from batchspec_cli.events import RowResult
+    from batchspec_cli.outputs import stats_path_for
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
+    inp.write_text("".join(f'{{"prompt": "row {i}"}}\n' for i in range(6)))
+    cfg = GenerateConfig(input=inp, output=out, target=str(tiny_model_dir), ray=True, quiet=True)
+
+    def blocks_of_two(requests):  # each block a new engine run: steps 1, 2, then its rows
+        requests = list(requests)
+        for start in range(0, len(requests), 2):
+            yield RunsOn(kernels="stock", dtype="float32", device="cpu")
+            yield from steps(1, 2)
+            yield from (RowResult(r.row, r.id, [5], "length") for r in requests[start:start + 2])
+
+    with Generation.open(cfg) as job:
+        for event in job.events(run=blocks_of_two):
+            if isinstance(event, RowResult) and job.done_rows == 2:
+                job.stop()
+        assert job.interrupted and job.saved_rows == 2
+    with Generation.open(cfg) as job:
+        assert job.plan.last_step == 2
+        list(job.events(run=blocks_of_two))
+        job.finish()
+    assert pq.read_table(stats_path_for(out)).column("step").to_pylist() == [1, 2, 3, 4, 5, 6]

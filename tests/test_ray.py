@@ -72,7 +72,7 @@ def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_mo
         learnt = documents(engine)
     with Generation.open(cfg) as job:
         executor = RayExecutor(job, RayConfig(workers=1))
-        assert [len(b) for b in make_blocks(job.requests(), 3)] and len(job.preloads()) == job.saved_rows
+        assert [len(b) for b in make_blocks(job.requests(), 3)] and len(job.done.preloads()) == job.saved_rows
         worker = Worker(executor.worker_spec())
     assert learnt and len(requests) == 12 - job.saved_rows
     assert documents(worker.engine) == learnt

@@ -195,8 +195,8 @@ def test_the_merge_holds_its_buffer_however_many_ranges_the_rows_scatter_over(tm
 
 SLOW = """
 import sys, time
-from batchspec_cli import job, merge
-save, ranges = job._Unsaved.save, merge.ranges
+from batchspec_cli import merge, writer
+save, ranges = writer.Unsaved.save, merge.ranges
 def slow_save(self):
     save(self)
     time.sleep(0.05)
@@ -204,7 +204,7 @@ def slow_ranges(*args):
     for item in ranges(*args):
         time.sleep(0.3)
         yield item
-job._Unsaved.save, merge.ranges, merge.MIN_RANGE_ROWS = slow_save, slow_ranges, 8
+writer.Unsaved.save, merge.ranges, merge.MIN_RANGE_ROWS = slow_save, slow_ranges, 8
 from batchspec_cli.cli import app
 app()
 """
@@ -288,9 +288,9 @@ def test_three_kills_one_in_the_finish_then_rerun_every_row_once(tmp_path, model
 
 def test_a_checkpoint_part_is_due_by_rows_or_by_tokens_whichever_first():
     """Parts hold up to checkpoint_rows rows, but long rows (each perhaps with its logprobs) leave memory once their
-    completion tokens reach _Unsaved.MOST_TOKENS: a part every 28 rows of 600 tokens, every 1,024 rows of 8."""
+    completion tokens reach Unsaved.MOST_TOKENS: a part every 28 rows of 600 tokens, every 1,024 rows of 8."""
     from batchspec_cli.events import RowResult
-    from batchspec_cli.job import _Unsaved
+    from batchspec_cli.writer import Unsaved
 
     class Parts:  # the work directory's save_part, counted
         def __init__(self):
@@ -299,9 +299,9 @@ def test_a_checkpoint_part_is_due_by_rows_or_by_tokens_whichever_first():
         def save_part(self, rows, stats):
             self.sizes.append(len(rows))
 
-    for tokens, expected in ((600, -(-_Unsaved.MOST_TOKENS // 600)), (8, 1024)):
+    for tokens, expected in ((600, -(-Unsaved.MOST_TOKENS // 600)), (8, 1024)):
         parts = Parts()
-        unsaved = _Unsaved(parts, rows=1024, seconds=1e9)
+        unsaved = Unsaved(parts, rows=1024, seconds=1e9)
         for row in range(3000):
             unsaved.add(RowResult(row, f"r{row}", [7] * tokens, "length"))
             unsaved.save_if_due()

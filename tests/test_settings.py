@@ -16,7 +16,8 @@ from batchspec_cli.cli import app
 from batchspec_cli.samples import Samples
 from batchspec_cli import config
 from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
-from batchspec_cli.job import Generation, metadata
+from batchspec_cli.job import Generation
+from batchspec_cli.writer import metadata
 from batchspec_cli.plan import fingerprint
 
 
@@ -170,8 +171,8 @@ def old_metadata(job) -> dict:
 
 
 def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
-    monkeypatch.setattr("batchspec_cli.job._transformers_version", lambda: "x")
-    monkeypatch.setattr("batchspec_cli.job.__version__", "0.1.0")
+    monkeypatch.setattr("batchspec_cli.writer._transformers_version", lambda: "x")
+    monkeypatch.setattr("batchspec_cli.writer.__version__", "0.1.0")
     for draft in (True, False):
         job = a_job(draft)
         assert fingerprint(job.cfg, job) == old_fingerprint(job)  # an old work directory still resumes
