@@ -47,7 +47,8 @@ from .errors import InputError, one_line
 from .eventlog import JsonLog, interrupted_before_start, signal_name
 from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
 from .files import check_distinct, naming
-from .inputs import TEXT_COLUMNS, read_input
+from .input_table import TEXT_COLUMNS
+from .inputs import read_input
 from .interrupts import StopNow
 from .job import BucketDone, Generation, Interrupted, Started, work_dir_for
 from .models import ModelError

@@ -27,7 +27,8 @@ import pyarrow as pa
 
 from .checkpoint import hash_files
 from .errors import InputError, one_line
-from .inputs import InputTable, table_input
+from .input_table import InputTable
+from .inputs import table_input
 
 DEFAULT_SPLIT = "train"
 BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet", ".pq": "parquet",

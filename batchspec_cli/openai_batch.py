@@ -5,7 +5,7 @@ Input: a JSONL file, one request per line::
     {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0.7, "stop": ["\\n\\n"]}}
 
-``read_batch`` turns it into the same ``inputs.InputTable`` as any input: ``custom_id`` is the row
+``read_batch`` turns it into the same ``input_table.InputTable`` as any input: ``custom_id`` is the row
 id; the body's settings become per-row values (``InputTable.overrides``, as the per-row
 columns of a table give them), so a row runs exactly as the same row of a Parquet file with
 per-row columns would. A field a body leaves out (or sets to null) takes the command's flag
@@ -52,12 +52,13 @@ import pyarrow as pa
 
 from . import __version__
 from . import constraints
+from .cells import BadPrompt, Prompt, check_unique, parse_messages
 from .config import MAX_N
 from .errors import InputError
 from .events import RowResult, TokenLogprob
 from .files import check_readable_file, write_text_atomic
-from .inputs import (JSONL_SUFFIXES, BadPrompt, Ids, InputTable, Prompt, check_unique, parse_messages,
-                     read_jsonl)
+from .input_table import Ids, InputTable
+from .jsonl import JSONL_SUFFIXES, read_jsonl
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 LINE_FIELDS = {"custom_id", "method", "url", "body"}

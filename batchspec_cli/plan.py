@@ -46,7 +46,7 @@ from .constraints import Constraint
 from .errors import InputError
 from .events import RowResult
 from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
-from .inputs import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
+from .input_table import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
 from .outputs import stats_path_for
 from .prompts import render_chunks
 from .row_settings import row_overrides, setting_columns
@@ -81,7 +81,7 @@ class JobPlan:
     announce: tuple[RowResult, ...] = ()  # prompts that failed before generation (saved already), reported first
     constraint: Constraint | None = None  # the job's --json-schema / --regex / --choice / --json (rows may differ)
     # the input's columns in input order (WorkDir.keep_input / keep_read_input): OUT's passthrough columns, read
-    # back a range at a time (inputs.StoredTable); ``inp.table`` then holds only the schema
+    # back a range at a time (input_table.StoredTable); ``inp.table`` then holds only the schema
     passthrough: Path | None = None
     samples: Samples = Samples(0)  # each input row's samples (--n) among the output rows
 

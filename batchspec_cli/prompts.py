@@ -14,8 +14,9 @@ from typing import Any
 import pyarrow as pa
 
 from . import openai_batch
+from .cells import Prompt
 from .errors import one_line
-from .inputs import InputTable, Prompt
+from .input_table import InputTable
 
 
 def render_prompt(tokenizer, prompt: Prompt, chat: bool, system: str | None, special_tokens: bool = False) -> list[int]:
@@ -174,7 +175,7 @@ def render_prompts(inp: InputTable, tokenizer, chat: bool, system: str | None,
 
 
 def _chunk(prompts, start: int, stop: int) -> list[Prompt]:
-    """The prompts of rows [start, stop) (``inputs.Prompts`` parses them from the table only now)."""
+    """The prompts of rows [start, stop) (``input_table.Prompts`` parses them from the table only now)."""
     return prompts.chunk(start, stop) if hasattr(prompts, "chunk") else list(prompts[start:stop])
 
 

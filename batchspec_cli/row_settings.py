@@ -11,7 +11,7 @@ from . import constraints
 from .config import MAX_TOP_LOGPROBS, GenerateConfig
 from .constraints import Constraint
 from .errors import InputError
-from .inputs import InputTable
+from .input_table import InputTable
 
 
 def row_value(values: list | None, row: int, default):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import MAX_N, GenerateConfig
-from .inputs import InputTable
+from .input_table import InputTable
 
 SAMPLE_COLUMN = "sample"  # the output column numbering an input row's samples 0 .. n-1
 

@@ -1,6 +1,6 @@
 """Where a job's prompts come from: a prompts file, a Hugging Face dataset or an OpenAI batch file.
 
-``read(cfg)`` gives every kind as the same ``inputs.InputTable`` (one pyarrow table, the prompts,
+``read(cfg)`` gives every kind as the same ``input_table.InputTable`` (one pyarrow table, the prompts,
 the ids, and for an OpenAI batch the per-row settings of each request) plus the *input hash*
 that the resume fingerprint keeps, so everything downstream (rendering, buckets, per-row
 columns, resume, the output files) is shared::
@@ -25,7 +25,8 @@ from . import datasets_input
 from . import openai_batch
 from .checkpoint import hash_files
 from .errors import InputError
-from .inputs import InputTable, read_input
+from .input_table import InputTable
+from .inputs import read_input
 
 
 

@@ -27,9 +27,10 @@ import torch
 
 from . import models
 from . import sampling
+from .cells import DEFAULT_PROMPT_COLUMN, BadPrompt, parse_prompt, prompt_column_in
 from .config import DEFAULT
 from .errors import InputError
-from .inputs import DEFAULT_PROMPT_COLUMN, JSONL_SUFFIXES, BadPrompt, parse_prompt, prompt_column_in
+from .jsonl import JSONL_SUFFIXES
 from .outputs import read_completions, read_run_metadata
 from .prompts import render_prompt
 from .row_settings import OVERRIDES, row_value

@@ -28,7 +28,7 @@ from .config import AUTO, GenerateConfig, settings_record
 from .engine import pool_window
 from .events import RowResult, StepStats
 from .files import write_text_stream_atomic
-from .inputs import StoredTable, id_array
+from .input_table import StoredTable, id_array
 from .plan import JobPlan, release_free_memory
 from .row_settings import row_value
 from .samples import SAMPLE_COLUMN

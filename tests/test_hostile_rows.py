@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli import inputs, outputs
+from batchspec_cli import input_table, outputs
 from batchspec_cli.cli import app
 from batchspec_cli.models import load_model
 from conftest import greedy_reference, save_tiny_model_dir
@@ -207,7 +207,7 @@ def test_a_deeply_nested_column_is_stored_as_json_text_and_a_stuck_work_director
                                                                                                monkeypatch, clean):
     inp = write_jsonl(tmp_path / "in.jsonl", [{**row, "deep": deep(60)} for row in GOOD])
     out = tmp_path / "out.parquet"
-    monkeypatch.setattr(inputs, "MAX_NESTING", 10 ** 6)  # as before: the nested column goes into the buckets
+    monkeypatch.setattr(input_table, "MAX_NESTING", 10 ** 6)  # as before: the nested column goes into the buckets
     first = generate(inp, out, model)
     monkeypatch.undo()
     assert first.exit_code != 0 and not out.exists()

@@ -1,4 +1,5 @@
-"""Input reading, prompt rendering and output writing (batchspec_cli/inputs.py, prompts.py, outputs.py, files.py)."""
+"""Input reading, prompt rendering and output writing (batchspec_cli/inputs.py, input_table.py, jsonl.py, cells.py,
+prompts.py, outputs.py, files.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchspec_cli import files, inputs
+from batchspec_cli import files, input_table, inputs, jsonl
 from batchspec_cli.events import RowResult
 from batchspec_cli.errors import InputError
 from batchspec_cli.files import check_output_path
@@ -39,6 +40,12 @@ def write_parquet(path: Path, rows: list[dict] | pa.Table) -> Path:
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows)
     pq.write_table(table, path)
     return path
+
+
+def chunk_rows(monkeypatch, rows: int) -> None:
+    """Read inputs ``rows`` rows at a time (every module that reads a chunk: the JSONL parser, the checks, the table)."""
+    for module in (input_table, jsonl, inputs):
+        monkeypatch.setattr(module, "CHUNK_ROWS", rows)
 
 
 @contextlib.contextmanager
@@ -105,7 +112,7 @@ def test_unreadable_file(tmp_path, monkeypatch, suffix):
         def refuse(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
-        for module in (files, inputs):
+        for module in (files, inputs, input_table, jsonl):
             monkeypatch.setattr(module, "open", refuse, raising=False)
     else:
         p.chmod(0)
@@ -233,7 +240,7 @@ def test_duplicate_ids(tmp_path):
 def test_one_repeated_id_is_found_wherever_it_lies(tmp_path, monkeypatch, chunk):
     """Ids are checked in sorted order a chunk at a time: a pair of equal ids is found whichever chunks the sorted
     order puts them in (the oracle: Python's set)."""
-    monkeypatch.setattr(inputs, "CHUNK_ROWS", chunk)
+    chunk_rows(monkeypatch, chunk)
     rng = random.Random(chunk)
     for trial in range(30):
         ids = [f"{rng.randrange(10**6)}" for _ in range(rng.randrange(1, 40))]
@@ -766,7 +773,7 @@ def test_results_and_stats_tables_round_trip():
 def test_jsonl_read_in_chunks_equals_the_whole_file_read(tmp_path, monkeypatch):
     """Chunks whose columns differ (absent, all null, an integer in one and a float in another, a list in one and
     a string in another) give the table the whole-file reader gives, its ids and its prompts."""
-    monkeypatch.setattr(inputs, "CHUNK_ROWS", 2)
+    chunk_rows(monkeypatch, 2)
     lines = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"},
              {"id": "c", "prompt": "z", "t": None}, {"id": "d", "prompt": "w", "extra": 1},
              {"id": "e", "prompt": "v", "t": 0.5, "extra": 2}, {"id": "f", "prompt": "u", "t": 1, "extra": 3.5},
@@ -774,10 +781,10 @@ def test_jsonl_read_in_chunks_equals_the_whole_file_read(tmp_path, monkeypatch):
     for cut in range(1, len(lines) + 1):
         path = tmp_path / f"in{cut}.jsonl"
         path.write_text("\n".join(json.dumps(line) for line in lines[:cut]) + "\n\n")
-        whole = inputs.jsonl_table(inputs.read_jsonl(path, None).rows)[0]
+        whole = jsonl.jsonl_table(jsonl.read_jsonl(path, None).rows)[0]
         for store in (None, tmp_path / f"rows{cut}.parquet"):  # in memory, and written to disk as it is read
             got = read_input(path, store=store)
-            assert got.table.slice(0).equals(inputs._storable(whole, {})[0]), (cut, store)
+            assert got.table.slice(0).equals(input_table.storable(whole, {})[0]), (cut, store)
             assert list(got.ids) == [line["id"] for line in lines[:cut]]
             assert list(got.prompts) == [line["prompt"] for line in lines[:cut]]
     assert all(p.suffix in (".jsonl", ".parquet") for p in tmp_path.iterdir())  # the chunks' own files are gone
@@ -792,9 +799,9 @@ def nested(depth: int, leaf):
 def test_a_file_written_to_disk_as_it_is_read_equals_the_file_read_in_memory(tmp_path, monkeypatch, kind, limit):
     """With a store, the rows go to disk a chunk at a time: the table read back, its prompts, ids, error rows and
     the values as written of a column too deep for Parquet are those of the same file read in memory."""
-    monkeypatch.setattr(inputs, "CHUNK_ROWS", 3)
+    chunk_rows(monkeypatch, 3)
     rows = [{"id": 10 * i, "prompt": f"tell me {i}" if i % 4 else None, "score": i / 2 if i > 3 else None,
-             "deep": nested(inputs.MAX_NESTING + 2, i), "msgs": [{"role": "user", "content": str(i)}]}
+             "deep": nested(input_table.MAX_NESTING + 2, i), "msgs": [{"role": "user", "content": str(i)}]}
             for i in range(11)]
     path = write_jsonl(tmp_path / "in.jsonl", rows) if kind == "jsonl" else \
         write_parquet(tmp_path / "in.parquet", rows)
@@ -802,7 +809,7 @@ def test_a_file_written_to_disk_as_it_is_read_equals_the_file_read_in_memory(tmp
         pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=4)
     memory = read_input(path, limit=limit)
     stored = read_input(path, limit=limit, store=tmp_path / "rows.parquet")
-    assert isinstance(stored.table, inputs.StoredTable) and stored.table.num_rows == (limit or len(rows))
+    assert isinstance(stored.table, input_table.StoredTable) and stored.table.num_rows == (limit or len(rows))
     assert stored.table.slice(0).equals(memory.table)
     assert list(stored.ids) == list(memory.ids) == [str(10 * i) for i in range(limit or len(rows))]
     assert list(stored.prompts) == list(memory.prompts)
@@ -818,7 +825,7 @@ def test_a_stored_table_reads_any_range_as_the_table_does(tmp_path):
     with pq.ParquetWriter(path, table.schema) as writer:
         for first, size in ((0, 7), (7, 1), (8, 20), (28, 22)):
             writer.write_table(table.slice(first, size))
-    stored = inputs.StoredTable(path)
+    stored = input_table.StoredTable(path)
     rng = random.Random(0)
     for _ in range(200):
         offset = rng.randrange(0, 55)
@@ -831,13 +838,13 @@ def test_a_stored_table_reads_any_range_as_the_table_does(tmp_path):
 def test_reading_into_a_store_holds_one_chunk_however_long_the_file(tmp_path, monkeypatch):
     """While a file is read into a store, the Arrow memory live at each chunk stays that of a chunk: it does not
     grow with the chunks read before it (read in memory, it grows by every chunk's table)."""
-    monkeypatch.setattr(inputs, "CHUNK_ROWS", 1000)
+    chunk_rows(monkeypatch, 1000)
     path = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"{i} " + "words " * 40} for i in range(20000)])
-    parse = inputs.jsonl_table
+    parse = jsonl.jsonl_table
 
     def live(store):
         seen = []
-        monkeypatch.setattr(inputs, "jsonl_table", lambda rows: (seen.append(pa.total_allocated_bytes()),
+        monkeypatch.setattr(jsonl, "jsonl_table", lambda rows: (seen.append(pa.total_allocated_bytes()),
                                                                  parse(rows))[1])
         before = pa.total_allocated_bytes()
         inp = read_input(path, store=store)

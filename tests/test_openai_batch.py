@@ -20,7 +20,7 @@ from batchspec_cli import constraints, openai_batch
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
 from batchspec_cli.events import RowResult, Sampling, TokenLogprob
-from batchspec_cli.inputs import InputTable
+from batchspec_cli.input_table import InputTable
 from batchspec_cli.job import Generation, work_dir_for
 from batchspec_cli.models import load_model
 from conftest import greedy_reference, make_tokenizer, save_target_and_draft_dirs

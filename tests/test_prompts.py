@@ -7,7 +7,7 @@ import json
 import pyarrow as pa
 from typer.testing import CliRunner
 
-from batchspec_cli.inputs import InputTable
+from batchspec_cli.input_table import InputTable
 from batchspec_cli.prompts import max_prompt_bytes, render_prompt
 from batchspec_cli.cli import app
 from batchspec_cli import prompts as prompts_module
@@ -46,7 +46,7 @@ def test_each_row_fails_alone_and_the_others_render_as_render_prompt_does():
 
 
 class CountedPrompts(list):
-    """Prompts that record which chunks were asked for (as ``inputs.Prompts`` parses a chunk at a time)."""
+    """Prompts that record which chunks were asked for (as ``input_table.Prompts`` parses a chunk at a time)."""
 
     def __init__(self, prompts):
         super().__init__(prompts)

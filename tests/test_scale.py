@@ -120,13 +120,14 @@ OPEN_PEAK = """
 import sys, tracemalloc
 from pathlib import Path
 import pyarrow as pa
-from batchspec_cli import inputs, prompts
+from batchspec_cli import input_table, inputs, jsonl, prompts
 from batchspec_cli.config import GenerateConfig
 from batchspec_cli.job import Generation
 from buckets import bucketing
 # What the setup holds at once, its chunks and buffers, made small, so that both sizes fill them: what grows is
 # then what grows with the rows.
-inputs.CHUNK_ROWS, prompts.CHUNK_ROWS, bucketing.ROW_GROUP_ROWS = 1024, 256, 256
+input_table.CHUNK_ROWS = jsonl.CHUNK_ROWS = inputs.CHUNK_ROWS = 1024
+prompts.CHUNK_ROWS, bucketing.ROW_GROUP_ROWS = 256, 256
 bucketing.MAX_OPEN_SHARDS, bucketing.BUFFER_BYTES = 4, 128 << 10
 inp, out, model = map(Path, sys.argv[1:])
 cfg = GenerateConfig(input=inp, output=out, target=str(model), mode="ar", batch_size=8, max_new_tokens=4,
