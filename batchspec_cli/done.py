@@ -25,7 +25,7 @@ from .checkpoint import WorkDir
 from .events import StepStats
 from .plan import JobPlan
 
-Preload = tuple[list[int], "list[int] | None"]  # a saved row as the drafters learn it: (prompt, completion or None)
+Preload = tuple[list[int], list[int] | None]  # a saved row as the drafters learn it: (prompt, completion or None)
 
 
 class StepNumbering:
