@@ -84,8 +84,8 @@ class SlotCache:
     moves every group into one slot range first, and ``StepStats.kv_gathered`` counts that move).
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
-    addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots) and
-    ``capacity`` columns, both grown on demand (``grow``: by the table ahead of a need that is
+    addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots; at most
+    twice the rows placed) and ``capacity`` columns, both grown on demand (``grow``: by the table ahead of a need that is
     known, by ``update`` when a forward runs past the end; before the first forward it only
     sets the size the buffers are allocated at). A growth allocates first, then copies the
     live slots' columns only (``keep``: the table's live set; ``None``: every row).
@@ -161,6 +161,8 @@ class SlotCache:
         rows = min(self.n_slots, max(rows, self.rows))
         if needed <= self.capacity and rows <= self.rows:
             return
+        if self.keys and rows > self.rows:  # slots too grow geometrically: each bucket's rows cost no copy of all
+            rows = min(self.n_slots, max(rows, 2 * self.rows))
         if not self.keys:
             self.rows, self.capacity = rows, max(needed, self.capacity)
             return
