@@ -379,14 +379,15 @@ class SlotTable:
                 self.draft_end[s] = max(self.draft_end[s], self.pad[s] + n)
         return total
 
-    def reserve(self, slots: list[int], columns: int) -> None:
-        """Room for rows about to be placed in ``slots``, which can reach ``columns`` columns.
+    def reserve(self, slots: list[int], columns: int, rows: int = 0) -> None:
+        """Room for rows about to be placed in ``slots``, which can reach ``columns`` columns (and for ``rows`` slots
+        in all, when more rows are known to come).
 
         The buffers must hold the slots (an out-of-memory error is raised, and nothing the
         table holds has changed, when they cannot); the columns are reserved when they fit,
         else left for the forward that needs them (it grows to exactly that).
         """
-        rows = max(slots) + 1
+        rows = max(max(slots) + 1, rows)
         for cache in (self.target, self.draft):
             if cache is not None:
                 try:

@@ -87,6 +87,17 @@ def layer_types(config) -> list[str]:
     return [FULL] * n
 
 
+def kv_column_bytes(model) -> int:
+    """KV bytes one row's one column takes in a ``SlotCache`` of ``model``, from its config (an estimate for budgets:
+    every layer holds keys and values of ``num_key_value_heads x head_dim`` in the model's dtype)."""
+    text = text_config(model.config)
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    layers = int(getattr(text, "num_hidden_layers", 1) or 1)
+    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
+
+
 def uses_alibi(config) -> bool:
     """Bloom and ALiBi Falcon add a position bias built from the 2D padding mask."""
     text = text_config(config)
@@ -151,9 +162,43 @@ def group_forward(model, cache, cache_kwarg: str, rows_index, input_ids: torch.T
     dtype = next(model.parameters()).dtype
     mask, positions = attention_inputs(pad, start, input_ids.shape[1], dtype, layers)
     cache.bind(rows_index, start)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
+    _spans.value = column_spans(pad, start, input_ids.shape[1])
+    try:
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg: cache})
+    finally:
+        _spans.value = None
     return out.logits
+
+
+SPAN_MIN_ROWS = 8  # a span of fewer rows saves less than its extra kernel call costs
+SPAN_MAX_QUERY = 64  # longer forwards (prefills) are compute in the query, not reads of padding
+
+
+def column_spans(pad: torch.Tensor, start: int, n_new: int) -> list[tuple[int, int, int]] | None:
+    """Contiguous row ranges of a CPU forward and the first key column each must read: ``(first row, end row,
+    first column)``, when reading fewer padding columns pays; else ``None`` (one kernel over every column).
+
+    A group's rows share one column layout, left-padded to its longest row: a short row's attention reads its
+    padding columns only to mask them. Rows are admitted bucket by bucket, shortest first, so neighbouring slots
+    have similar padding: each run of rows from its smallest padding (never past ``start``, where the forward's
+    first query is, so a pad query still sees its own column) skips the columns every row of the run masks. On a
+    CUDA device (reading ``pad`` would be a host sync) and for long forwards: ``None``.
+    """
+    rows = pad.shape[0]
+    if pad.device.type != "cpu" or n_new > SPAN_MAX_QUERY or rows < 2 * SPAN_MIN_ROWS:
+        return None
+    pads = pad.tolist()
+    per = max(SPAN_MIN_ROWS, -(-rows // 8))
+    spans = [(a, min(a + per, rows), min(start, *pads[a: a + per])) for a in range(0, rows, per)]
+    columns = start + n_new
+    read = sum((b - a) * (columns - c) for a, b, c in spans)
+    if read > 0.8 * rows * (columns - min(start, *pads)):
+        return None
+    return spans
+
+
+_spans = threading.local()  # the running forward's column_spans, read by _folded_sdpa (one forward per thread)
 
 
 def _from_content(model, cache, cache_kwarg: str, rows_index, input_ids: torch.Tensor, pad: torch.Tensor, start: int,
@@ -201,6 +246,17 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     other cases go to stock SDPA unchanged, and so does anything this kernel does not implement
     (soft-capping, attention sinks, a position bias): it never drops a feature.
     """
+    spans = getattr(_spans, "value", None)
+    if spans is not None and attention_mask is not None and attention_mask.dim() == 4 \
+            and spans[-1][1] == query.shape[0] == key.shape[0] and not kwargs.get("position_bias"):
+        outs = [_attend(module, query[a:b], key[a:b, :, c:], value[a:b, :, c:], attention_mask[a:b, ..., c:],
+                        dropout, scaling, is_causal, **kwargs)[0] for a, b, c in spans]
+        return torch.cat(outs), None
+    return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def _attend(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+            is_causal: bool | None = None, **kwargs):
     n_rep = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
     if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1

@@ -56,7 +56,7 @@ from . import drafters as drafting
 from . import sampling
 from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, selection
-from .attention import for_run, group_forward
+from .attention import for_run, group_forward, kv_column_bytes
 from .config import DEFAULT, MODES
 from .constraints import Guide
 from .control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
@@ -354,6 +354,21 @@ class Engine:
         self._set_width(choose_width(rates))
         return WidthChosen(self.batch_size, rates, stopped)
 
+    def _first_reservation(self, columns: int, limit: int) -> tuple[int, int]:
+        """(columns, slots) to reserve at a run's first admission. When the job's longest padded prompt and its row
+        count are known and the slots its rows will fill, at that length, fit the KV budget: exactly that (one
+        allocation; no growth that copies every slot as longer buckets arrive). Else an eighth more columns than
+        the first rows need (each bucket is at most about 10 % longer than the one before), slots as they come."""
+        longest, total = self.admission.longest, self.admission.total
+        if longest is not None and total is not None:
+            reach = max(columns, longest + limit + self.max_k + 1)
+            slots = min(self.n_slots, total)
+            budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0))
+            column = sum(kv_column_bytes(h.model) for h in (self.target, self.draft) if h is not None)
+            if slots * reach * column <= budget:
+                return reach, slots
+        return columns + columns // 8, 0
+
     def _bare_step(self, width: int, context: int) -> tuple[float, int]:
         """(seconds, KV bytes per row and column) of a one-token target forward of ``width`` rows at ``context``."""
         cache = SlotCache(width, context + 1)
@@ -421,10 +436,11 @@ class Engine:
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
         columns = end + max(limits) + self.max_k + 1
-        if not self.table.target.n_layers:  # the run's first rows: room for the next buckets (each <= 10 % longer)
-            columns += columns // 8
+        rows = 0
+        if not self.table.target.n_layers:  # the run's first rows: room for the next buckets
+            columns, rows = self._first_reservation(columns, max(limits))
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
-            self.pool.reserve(slots, columns)
+            self.pool.reserve(slots, columns, rows)
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:

@@ -64,10 +64,11 @@ __all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "wor
 
 class Counted:
     """An iterable of requests that knows how many it holds at most (the rows left to generate), so the engine's
-    policy can weigh a trial against the work ahead."""
+    policy can weigh a trial against the work ahead, and the longest padded prompt among them (``longest``), so
+    that the engine can reserve its KV buffers once."""
 
-    def __init__(self, requests: Iterable[Request], count: int):
-        self.requests, self.count = requests, count
+    def __init__(self, requests: Iterable[Request], count: int, longest: int | None = None):
+        self.requests, self.count, self.longest = requests, count, longest
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)
@@ -255,7 +256,8 @@ class Generation:
                       resumed_rows=plan.resumed_rows, work_dir=str(self.work.path),
                       dtype=runs_on.dtype if runs_on else "", dtype_reason=runs_on.dtype_reason if runs_on else "")
         yield from plan.announce  # prompt errors: already recorded and saved
-        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done.rows))
+        longest = max((b.hi for b in plan.manifest.buckets), default=None) if plan.manifest is not None else None
+        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done.rows, longest))
         try:
             for event in stream:
                 if isinstance(event, RunsOn):  # a Ray block's, before its events: a new engine run

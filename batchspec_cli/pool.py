@@ -69,6 +69,6 @@ class SlotPool:
         self.table.free(slot)
         return req
 
-    def reserve(self, slots: list[int], columns: int) -> None:
+    def reserve(self, slots: list[int], columns: int, rows: int = 0) -> None:
         """Room for rows about to be placed in ``slots`` (``SlotTable.reserve``)."""
-        self.table.reserve(slots, columns)
+        self.table.reserve(slots, columns, rows)

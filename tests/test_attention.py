@@ -121,3 +121,26 @@ def test_the_folded_kernel_is_registered_for_the_run_only_and_never_for_eager_or
                                            head_dim=8))
     gemma.config._attn_implementation = "sdpa"  # even where a user forced SDPA, soft-capping is not dropped by us
     assert not attention.foldable(gemma)
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float64, "ar"), (torch.float32, "eqspec")])
+def test_rows_of_one_group_read_only_their_own_columns_and_stay_exact(monkeypatch, dtype, mode):
+    """24 rows of 3 to 60 tokens in one bucket (one padded layout): decode and verify forwards attend in runs of
+    rows from each run's own first column (``column_spans``), and every row equals decoding it alone."""
+    target = make_tiny_llama(TINY_VOCAB_SIZE, seed=5, dtype=dtype, heads=4, kv_heads=2)
+    draft = make_tiny_llama(TINY_VOCAB_SIZE, seed=6, dtype=dtype, heads=4, kv_heads=2)
+    rng = random.Random(7)
+    prompts = sorted(([rng.randrange(4, TINY_VOCAB_SIZE) for _ in range(n)] for n in (3, 60, *rng.choices(range(3, 61), k=22))),
+                     key=len)
+    used = []
+    real = attention.column_spans
+
+    def spy(pad, start, n_new):
+        spans = real(pad, start, n_new)
+        used.append(spans is not None)
+        return spans
+    monkeypatch.setattr(attention, "column_spans", spy)
+    cfg = EngineConfig(mode=mode, batch_size=24, k=3)
+    results, _ = run_engine_rows(target, draft if mode != "ar" else None, prompts, cfg, max_new=12, eos=())
+    assert [results[i].token_ids for i in range(24)] == [greedy_reference(target, p, 12, []) for p in prompts]
+    assert any(used), "the group's spread of lengths should make runs of rows pay"

@@ -65,6 +65,23 @@ def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(tar
     assert all(copied <= live for copied, live in growths), growths
 
 
+def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(target, monkeypatch):
+    """Requests that say how many they are and their longest padded prompt (``job.Counted``): the first admission
+    reserves every slot the job fills at the longest length, so the longer bucket grows nothing; rows stay exact."""
+    from batchspec_cli.job import Counted
+
+    prompts = prompts_of(6, seed=1, lo=4, hi=9) + prompts_of(6, seed=2, lo=60, hi=70)
+    buckets = [0] * 6 + [1] * 6
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=10, pad_to=9 if i < 6 else 70,
+                        bucket=buckets[i]) for i, p in enumerate(prompts)]
+    engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=12))
+    growths = watch_growths(monkeypatch, [engine])
+    results = {e.row: e for e in engine.run(Counted(requests, len(requests), longest=70)) if isinstance(e, RowResult)}
+    assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 10, []) for p in prompts]
+    cache = engine.pool.table.target
+    assert growths == [] and cache.rows == 12 and cache.capacity >= 70 + 10
+
+
 def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target):
     """Two rows at batch 64 (a window of 256 slots) allocate KV for two slots, reserved for their whole length."""
     prompts = prompts_of(2, seed=3, lo=5, hi=8)
