@@ -55,7 +55,7 @@ def _log_interrupted(args: list[str], signum: int) -> None:
         return
     from .errors import InputError
     from .eventlog import JsonLog, interrupted_before_start
-    from .files import check_distinct
+    from .store.files import check_distinct
 
     named = [Path(a) for i, a in enumerate(args) if 0 < i != at and a and not a.startswith("-")]  # input, OUT...
     stats = [p.with_name(p.stem + ".stats.parquet") for p in named if p.name]  # OUT's default statistics file

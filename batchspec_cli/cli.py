@@ -40,20 +40,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__, interrupts  # from importlib.metadata; interrupts imports nothing heavy
 from . import verify as verify_defaults  # verify's own defaults (its --tolerance, its --seed)
-from .checkpoint import CheckpointError
 from .config import DEFAULT, GenerateConfig, UsageError, bucket_rows, os_error_message, parse_batch_size
 from .distributed import BlockDone as WorkerBlockDone  # imports no Ray
+from .engine.events import NonFiniteLogits, RowResult, StepStats, WidthChosen
 from .errors import InputError, one_line
 from .eventlog import JsonLog, interrupted_before_start, signal_name
-from .events import NonFiniteLogits, RowResult, StepStats, WidthChosen
-from .files import check_distinct, naming
-from .input_table import TEXT_COLUMNS
-from .inputs import read_input
 from .interrupts import StopNow
-from .job import BucketDone, Generation, Interrupted, Started, work_dir_for
-from .models import ModelError
-from .outputs import stats_path_for
+from .io.input_table import TEXT_COLUMNS
+from .io.inputs import read_input
+from .job.generation import BucketDone, Generation, Interrupted, Started, work_dir_for
+from .models.loading import ModelError
 from .stats import acceptance_length
+from .store.checkpoint import CheckpointError
+from .store.files import check_distinct, naming
+from .store.outputs import stats_path_for
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Offline batch generation with output-equivalent "
                   "batched speculative decoding.")
@@ -539,7 +539,7 @@ def verify(
     """Re-decode rows one at a time with plain decoding and compare (exit 1 on an unexplained mismatch).
 
     Greedy rows are re-decoded greedily; sampled rows with the same keyed Gumbel noise as the run."""
-    from . import models
+    from .models import loading as models
     from .verify import verify_run
 
     if sample is not None and sample < 1:
@@ -639,10 +639,10 @@ def bucket(
     quiet: QuietOpt = DEFAULT.quiet,
 ) -> None:
     """Tokenize INPUT once and write length buckets (Parquet shards + manifest.json) to DIRECTORY."""
-    from buckets import BucketError, bucket_chunk, write_buckets
-    from . import models
+    from .store.buckets import BucketError, bucket_chunk, write_buckets
+    from .models import loading as models
     from .config import tokenizer_settings, validate
-    from .prompts import render_chunks
+    from .io.prompts import render_chunks
 
     # the settings generate would tokenize with, checked as generate checks them
     cfg = GenerateConfig(input=input, output=directory, target=target, prompt_column=prompt_column,

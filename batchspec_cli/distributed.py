@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .config import AUTO, AUTO_BLOCK_WIDTH, GenerateConfig
-from .engine import pool_window
-from .events import Request, RowResult, StepStats
-from .assembly import RunsOn, assemble
-from .job import Generation
+from .engine.core import pool_window
+from .engine.events import Request, RowResult, StepStats
+from .job.assembly import RunsOn, assemble
+from .job.generation import Generation
 
 POLL_S = 0.2  # how often the driver looks for a stop while it waits for a block
 POOL_START_TIMEOUT_S = 3600  # how long the blocks wait for every worker to load its models

@@ -32,7 +32,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .errors import InputError
-from .outputs import stats_path_for
+from .store.outputs import stats_path_for
 
 SPEC_KINDS = ("same_length", "realigned")
 

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-from . import models
-from . import sampling
-from .cells import DEFAULT_PROMPT_COLUMN, BadPrompt, parse_prompt, prompt_column_in
 from .config import DEFAULT
+from .engine import sampling
 from .errors import InputError
-from .jsonl import JSONL_SUFFIXES
-from .outputs import read_completions, read_run_metadata
-from .prompts import render_prompt
-from .row_settings import OVERRIDES, row_value
+from .io.cells import DEFAULT_PROMPT_COLUMN, BadPrompt, parse_prompt, prompt_column_in
+from .io.jsonl import JSONL_SUFFIXES
+from .io.prompts import render_prompt
+from .io.row_settings import OVERRIDES, row_value
+from .models import loading as models
+from .store.outputs import read_completions, read_run_metadata
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
 DEFAULT_UNITS = 4.0  # a margin within this many units of the dtype's rounding is a near-tie (docs/design.md)
@@ -216,7 +216,7 @@ class GrammarMask:
 def _mask_for(meta: dict, row: dict, tokenizer, eos: list[int], vocab: int, prompt_len: int) -> GrammarMask | None:
     """The row's constraint as the run had it: its response_format cell (``{"type": "text"}``: none), else the
     job's (the run's metadata)."""
-    from . import constraints
+    from .engine import constraints
 
     column, job = meta.get("response_format_column"), meta.get("constraint")
     own = constraints.from_response_format(row[column]) if column and row.get(column) is not None else None

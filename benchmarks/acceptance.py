@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from batchspec_cli import models, sampling  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
+from batchspec_cli.engine import sampling  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
 from bench import SPEC_BENCH, spec_bench_groups  # noqa: E402
 
 METRICS = ("delta", "rejection", "gumbel", "bound")

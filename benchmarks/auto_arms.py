@@ -27,12 +27,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench  # noqa: E402
-from batchspec_cli import control, drafters, kernels, models  # noqa: E402
-from batchspec_cli.attention import use_folded_sdpa  # noqa: E402
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import StepStats  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
-from batchspec_cli.assembly import use_kernels  # noqa: E402
+from batchspec_cli.engine import drafters  # noqa: E402
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.engine.events import StepStats  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.job.assembly import use_kernels  # noqa: E402
+from batchspec_cli.models import kernels, loading as models  # noqa: E402
+from batchspec_cli.models.attention import use_folded_sdpa  # noqa: E402
+from batchspec_cli.policy import control  # noqa: E402
 
 
 class PlainOnly(control.Arms):

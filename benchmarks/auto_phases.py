@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import auto_arms  # noqa: E402
-from batchspec_cli.align import SlotCache  # noqa: E402
+from batchspec_cli.engine.align import SlotCache  # noqa: E402
 
 
 @contextlib.contextmanager

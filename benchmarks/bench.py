@@ -61,14 +61,15 @@ from transformers import DynamicCache, GenerationConfig
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli import drafters, models  # noqa: E402
-from batchspec_cli.attention import attention_inputs, use_folded_sdpa  # noqa: E402
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
-from batchspec_cli.assembly import use_kernels  # noqa: E402
+from batchspec_cli.engine import drafters  # noqa: E402
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.engine.events import Request, RowResult, StepStats  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.job.assembly import use_kernels  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
+from batchspec_cli.models.attention import attention_inputs, use_folded_sdpa  # noqa: E402
 from batchspec_cli.stats import acceptance_length, summarize_rows  # noqa: E402
-from buckets import plan_buckets  # noqa: E402
+from batchspec_cli.store.buckets import plan_buckets  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"  # --questions' default
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale  # noqa: E402
 
 from batchspec_cli.config import DEFAULT  # noqa: E402
-from batchspec_cli.job import work_dir_for  # noqa: E402
+from batchspec_cli.job.generation import work_dir_for  # noqa: E402
 
 CHECKPOINT_ROWS = DEFAULT.checkpoint_rows  # the default --checkpoint-rows: a part holds at most this many rows
 

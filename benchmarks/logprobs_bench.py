@@ -40,12 +40,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from transformers import DynamicCache  # noqa: E402
 
-from batchspec_cli import drafters, models  # noqa: E402
-from batchspec_cli.attention import attention_inputs  # noqa: E402
-from batchspec_cli.logprobs import Recorder  # noqa: E402
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import Request, RowResult  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
+from batchspec_cli.engine import drafters  # noqa: E402
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.engine.events import Request, RowResult  # noqa: E402
+from batchspec_cli.engine.logprobs import Recorder  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
+from batchspec_cli.models.attention import attention_inputs  # noqa: E402
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Timing of the model-free drafters (batchspec_cli/lookup.py) on real token ids.
+"""Timing of the model-free drafters (batchspec_cli/policy/lookup.py) on real token ids.
 
     python benchmarks/lookup_bench.py --rows 16 --k 5 --index-prompts 300
 
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli.lookup import PromptLookup, SuffixCorpus, SuffixIndex  # noqa: E402
+from batchspec_cli.policy.lookup import PromptLookup, SuffixCorpus, SuffixIndex  # noqa: E402
 
 DATA = Path("/work/shared/data/spec_bench_questions.jsonl")
 TARGET_STEP_MS = {1: 110.0, 16: 280.0}
@@ -36,7 +36,7 @@ TARGET_STEP_MS = {1: 110.0, 16: 280.0}
 def load_prompts(limit: int) -> tuple[list[list[int]], str]:
     """Token ids of Spec-Bench prompts; synthetic Zipf ids if the tokenizer is unavailable."""
     try:
-        from batchspec_cli.models import load_tokenizer
+        from batchspec_cli.models.loading import load_tokenizer
 
         tokenizer, name = load_tokenizer(None, quiet=True)
         rows = [json.loads(line) for line in DATA.read_text().splitlines()[:limit]]

@@ -158,7 +158,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from batchspec_cli import models
+    from batchspec_cli.models import loading as models
 
     models.load_model(None, dtype="float32", device="cpu", quiet=True)  # converts and caches the GGUF once
     model_dir = models.cache_dir() / models.DEFAULT_CACHE_NAME

@@ -32,12 +32,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
-from batchspec_cli import align, grouping, models, pool  # noqa: E402
-from batchspec_cli.attention import use_folded_sdpa  # noqa: E402
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import StepStats  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
-from batchspec_cli.assembly import use_kernels  # noqa: E402
+from batchspec_cli.engine import align, pool  # noqa: E402
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.engine.events import StepStats  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.job.assembly import use_kernels  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
+from batchspec_cli.models.attention import use_folded_sdpa  # noqa: E402
+from batchspec_cli.policy import grouping  # noqa: E402
 
 TIMED = [(align.SlotCache, "_resize"), (align.SlotCache, "_allocate"), (pool, "realign"),
          (grouping.Pool, "select"), (grouping.StaticBatch, "select"), (grouping.Pool, "plan"),

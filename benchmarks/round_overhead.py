@@ -24,8 +24,8 @@ WORKER = r"""
 import json, random, sys, time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, StepStats
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, StepStats
 
 torch.set_num_threads(1)
 rows, max_new, mode, k, batch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])

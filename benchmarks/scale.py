@@ -45,7 +45,7 @@ def tiny_model(directory: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from batchspec_cli.models import load_tokenizer
+    from batchspec_cli.models.loading import load_tokenizer
 
     tokenizer, _ = load_tokenizer(None, quiet=True)
     torch.manual_seed(0)

@@ -38,10 +38,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli import constraints, drafters, models  # noqa: E402
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle  # noqa: E402
-from batchspec_cli.events import Request, RowResult, StepStats  # noqa: E402
-from batchspec_cli.prompts import render_prompt  # noqa: E402
+from batchspec_cli.engine import constraints, drafters  # noqa: E402
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
+from batchspec_cli.engine.events import Request, RowResult, StepStats  # noqa: E402
+from batchspec_cli.io.prompts import render_prompt  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "occupation"],
           "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},

@@ -10,7 +10,7 @@ forwards of T new tokens at column ``--context`` are timed through the engine's 
 time. ``v(T) = t(T) / t(1)`` of the same variant and thread count; ``vs plain`` divides by
 the stock kernels' one-token forward at the same thread count instead.
 
-Variants (see ``batchspec_cli/kernels.py``): ``plain`` = stock ``nn.Linear``; ``onednn`` =
+Variants (see ``batchspec_cli/models/kernels.py``): ``plain`` = stock ``nn.Linear``; ``onednn`` =
 every linear on oneDNN-prepacked weights; ``hybrid`` = prepacked for inputs of at least
 ``--min-rows`` rows (tokens x batch), stock below. Variants and thread counts are
 interleaved at the finest grain (for each T, every variant in turn, the order reversed on
@@ -42,9 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli import kernels, models  # noqa: E402
-from batchspec_cli.align import SlotCache  # noqa: E402
-from batchspec_cli.attention import group_forward, use_folded_sdpa  # noqa: E402
+from batchspec_cli.engine.align import SlotCache  # noqa: E402
+from batchspec_cli.models import kernels, loading as models  # noqa: E402
+from batchspec_cli.models.attention import group_forward, use_folded_sdpa  # noqa: E402
 
 SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec_bench_questions.jsonl"
 VARIANTS = ("plain", "onednn", "hybrid")

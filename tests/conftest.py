@@ -26,9 +26,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from batchspec_cli.control import PLAIN, SPEC, Arms, Auto, Choice, FixedK, Goodput
-from batchspec_cli.events import PolicyTrace, StepStats
-from batchspec_cli.models import cache_kwarg
+from batchspec_cli.engine.events import PolicyTrace, StepStats
+from batchspec_cli.models.loading import cache_kwarg
+from batchspec_cli.policy.control import PLAIN, SPEC, Arms, Auto, Choice, FixedK, Goodput
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 PAD_ID, EOS_ID, BOS_ID = 0, 1, 2
@@ -185,8 +185,8 @@ def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=No
     """Run the engine over prompts (ids ``r0``, ``r1``...); (results by row, step stats). Every row exactly once.
 
     ``max_new``, ``pad_to``, ``buckets``: one value for every row or a list of per-row values."""
-    from batchspec_cli.engine import Engine, ModelHandle
-    from batchspec_cli.events import Request, RowResult, Sampling
+    from batchspec_cli.engine.core import Engine, ModelHandle
+    from batchspec_cli.engine.events import Request, RowResult, Sampling
 
     def per_row(value, default):
         return value if isinstance(value, list) else [default if value is None else value] * len(prompts)
@@ -209,7 +209,7 @@ def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=No
 @torch.no_grad()
 def exact_first_two(target, prompt: list[int], settings, vocab: int) -> dict[tuple[int, int], float]:
     """P(first two tokens) of the target under the sampling settings' warping, by enumeration (p > 0 only)."""
-    from batchspec_cli.sampling import warp_probs
+    from batchspec_cli.engine.sampling import warp_probs
 
     def probs(ids):
         logits = target(torch.tensor([ids])).logits[:, -1:]

@@ -1,4 +1,4 @@
-"""Brute-force references for the model-free drafters of ``batchspec_cli.lookup`` (test oracles).
+"""Brute-force references for the model-free drafters of ``batchspec_cli.policy.lookup`` (test oracles).
 
 They scan every position of every text instead of keeping an index: slow, and obviously right.
 """
@@ -75,7 +75,7 @@ def _brute_suffix_draft(
 
 def index_of(documents: Sequence[Sequence[int]], **kwargs):
     """A ``SuffixIndex`` built by adding ``documents`` in order."""
-    from batchspec_cli.lookup import SuffixIndex
+    from batchspec_cli.policy.lookup import SuffixIndex
 
     index = SuffixIndex(**kwargs)
     for doc in documents:

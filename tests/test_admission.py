@@ -7,9 +7,9 @@ import copy
 
 import torch
 
-from batchspec_cli.admission import Admission
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle, RoundOutcome
-from batchspec_cli.events import Request, RowResult, StepStats
+from batchspec_cli.engine.admission import Admission
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle, RoundOutcome
+from batchspec_cli.engine.events import Request, RowResult, StepStats
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec_cli import align, attention
-from batchspec_cli.align import SlotCache, SlotTable, selection
-from batchspec_cli.attention import attention_inputs
+from batchspec_cli.engine import align
+from batchspec_cli.engine.align import SlotCache, SlotTable, selection
+from batchspec_cli.models import attention
+from batchspec_cli.models.attention import attention_inputs
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama
 
 
@@ -262,8 +263,8 @@ def test_folded_sdpa_equals_stock_sdpa_on_padded_grouped_query_attention(n_new):
 
 def test_the_engine_runs_stock_sdpa_models_folded_for_the_run_only():
     """Side effects belong to the run: during it the models run the folded kernel, afterwards their own again."""
-    from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-    from batchspec_cli.events import Request
+    from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+    from batchspec_cli.engine.events import Request
 
     target, draft = make_tiny_llama(TINY_VOCAB_SIZE, seed=0), make_tiny_llama(TINY_VOCAB_SIZE, seed=1)
     eager = make_tiny_llama(TINY_VOCAB_SIZE, seed=2)
@@ -289,7 +290,8 @@ def test_importing_align_registers_nothing():
     import subprocess
     import sys
 
-    code = ("from transformers import AttentionInterface; import batchspec_cli.engine, batchspec_cli.attention as a; "
+    code = ("from transformers import AttentionInterface; "
+            "import batchspec_cli.engine.core, batchspec_cli.models.attention as a; "
             "assert a.FOLDED_SDPA not in AttentionInterface._global_mapping")
     subprocess.run([sys.executable, "-c", code], check=True)
 

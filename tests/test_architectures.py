@@ -11,9 +11,10 @@ import pytest
 import torch
 import transformers as tf
 
-from batchspec_cli import drafters, models
-from batchspec_cli.engine import EngineConfig
-from batchspec_cli.events import Sampling
+from batchspec_cli.engine import drafters
+from batchspec_cli.engine.core import EngineConfig
+from batchspec_cli.engine.events import Sampling
+from batchspec_cli.models import loading as models
 from conftest import perturbed_copy, run_engine_rows, scheduled
 
 torch.set_num_threads(1)

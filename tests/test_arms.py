@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from batchspec_cli.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, TRIAL_PRICE, TRIAL_ROOM,
-                                   TRIAL_SHARE, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto, Group, Offer, Window)
+from batchspec_cli.policy.control import (CUT_AT, CUT_BELOW, FIRST_RETEST, PLAIN, SPEC, SUB_WINDOWS, TRIAL_PRICE,
+                                          TRIAL_ROOM, TRIAL_SHARE, WINDOW_ROUNDS, WINDOW_SECONDS, Arms, Auto, Group,
+                                          Offer, Window)
 
 ROUND_S = 1.25 * WINDOW_SECONDS / WINDOW_ROUNDS  # a window closes on its round count
 

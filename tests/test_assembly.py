@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from batchspec_cli import models
 from batchspec_cli.config import GenerateConfig, UsageError
-from batchspec_cli.events import RowResult, StepStats
-from batchspec_cli.job import Generation
+from batchspec_cli.engine.events import RowResult, StepStats
+from batchspec_cli.job.generation import Generation
+from batchspec_cli.models import loading as models
 
 
 def run(tmp_path, name: str, target, draft, mode: str) -> tuple[dict[int, list[int]], Generation, list[StepStats]]:

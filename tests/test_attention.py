@@ -10,10 +10,10 @@ import torch
 from transformers import AttentionInterface
 from typer.testing import CliRunner
 
-from batchspec_cli import attention
-from batchspec_cli.attention import CHUNKED, FULL, SLIDING, Layers, attention_inputs
-from batchspec_cli.engine import EngineConfig
-from batchspec_cli.events import NonFiniteLogits, RowResult, StepStats
+from batchspec_cli.engine.core import EngineConfig
+from batchspec_cli.engine.events import NonFiniteLogits, RowResult, StepStats
+from batchspec_cli.models import attention
+from batchspec_cli.models.attention import CHUNKED, FULL, SLIDING, Layers, attention_inputs
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, run_engine_rows, save_tiny_model_dir
 
 torch.set_num_threads(1)
@@ -79,8 +79,8 @@ def test_a_round_with_non_finite_logits_fails_and_commits_nothing():
 
 
 def _events(model, prompts):
-    from batchspec_cli.engine import Engine, ModelHandle
-    from batchspec_cli.events import Request
+    from batchspec_cli.engine.core import Engine, ModelHandle
+    from batchspec_cli.engine.events import Request
 
     engine = Engine(ModelHandle(model, "cache"), None, [], EngineConfig(mode="ar", batch_size=3))
     yield from engine.run([Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=3) for i, p in enumerate(prompts)])

@@ -10,11 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from batchspec_cli import control, drafters, sampling
-from batchspec_cli.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, WINDOW_ROUNDS, Arms, Auto, Calibration,
-                                   Choice, FixedK, Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
-from batchspec_cli.engine import Engine, EngineConfig
-from batchspec_cli.events import Sampling
+from batchspec_cli.engine import drafters, sampling
+from batchspec_cli.engine.core import Engine, EngineConfig
+from batchspec_cli.engine.events import Sampling
+from batchspec_cli.policy import control
+from batchspec_cli.policy.control import (EXPLORE_EVERY, OUTLIER, PLAIN, SPEC, WINDOW_ROUNDS, Arms, Auto, Calibration,
+                                          Choice, FixedK, Goodput, Group, Offer, RoundReport, Timings, expected_tokens)
 from conftest import (TINY_VOCAB_SIZE, RandomK, exact_first_two, greedy_reference, make_tiny_llama, perturbed_copy,
                       run_engine_rows, scheduled)
 
@@ -470,8 +471,8 @@ def test_auto_equals_ar_and_records_its_arms_and_windows(target, draft, prompts,
 def test_the_engine_tells_auto_the_work_left(target, draft, prompts, sized):
     """Rows run to their limits (no EOS): after every round the work left is every row's limit less what was
     committed so far, in flight and to come; for requests without a length only once none are left to come."""
-    from batchspec_cli.engine import ModelHandle
-    from batchspec_cli.events import Request
+    from batchspec_cli.engine.core import ModelHandle
+    from batchspec_cli.engine.events import Request
 
     seen = []
 
@@ -503,8 +504,8 @@ def test_the_engine_reports_the_targets_admission_prefills_apart(target, draft, 
     """Every round's report says how much of its elapsed wall clock went on the target's prefills of rows admitted
     since the previous round: together, about what the prefill steps' own stats measured (PLAIN: no draft prefill
     rides along), never more than the round's elapsed time, nothing on rounds with no admission before them."""
-    from batchspec_cli.engine import ModelHandle
-    from batchspec_cli.events import Request, StepStats
+    from batchspec_cli.engine.core import ModelHandle
+    from batchspec_cli.engine.events import Request, StepStats
 
     reports = []
 

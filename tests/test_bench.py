@@ -24,7 +24,7 @@ HELPERS = r"""
 import json, sys
 from types import SimpleNamespace
 import auto_phases, bench
-from batchspec_cli.events import StepStats
+from batchspec_cli.engine.events import StepStats
 
 given = json.loads(sys.argv[1])
 def run(r):

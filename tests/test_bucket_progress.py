@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from batchspec_cli.bucket_progress import BucketDone, BucketProgress
+from batchspec_cli.job.bucket_progress import BucketDone, BucketProgress
 
 
 def test_the_docstring_example():

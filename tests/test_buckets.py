@@ -1,4 +1,4 @@
-"""Tests for buckets/: planning properties, Parquet round trip, streaming, manifest checks."""
+"""Tests for batchspec_cli/store/buckets.py: planning properties, Parquet round trip, streaming, manifest checks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from buckets import (
+from batchspec_cli.store import buckets as bucketing
+from batchspec_cli.store.buckets import (
     MANIFEST_NAME,
     PROMPT_IDS_COLUMN,
     ROW_COLUMN,
@@ -34,7 +35,6 @@ from buckets import (
     settings_hash,
     write_buckets,
 )
-from buckets import bucketing
 
 SETTINGS = {"tokenizer": "HuggingFaceTB/SmolLM2-135M", "chat": True, "system": None, "column": "prompt"}
 
@@ -355,7 +355,7 @@ def test_bad_chunks_refused(tmp_path, case, match):
 BUCKETING_PROCESS = """
 import json, sys
 import numpy as np, pyarrow as pa
-from buckets import bucket_chunk, write_buckets
+from batchspec_cli.store.buckets import bucket_chunk, write_buckets
 
 out, rows = sys.argv[1], int(sys.argv[2])
 lengths = np.random.default_rng(rows).integers(32, 96, rows)

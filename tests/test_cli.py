@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
-from batchspec_cli.outputs import read_run_metadata
-from batchspec_cli.models import load_model
+from batchspec_cli.models.loading import load_model
+from batchspec_cli.store.outputs import read_run_metadata
 from conftest import (save_target_and_draft_dirs, greedy_reference, make_tokenizer, save_tiny_model_dir,
                       tamper_token)
 

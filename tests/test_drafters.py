@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from batchspec_cli import drafters
-from batchspec_cli.engine import EngineConfig
-from batchspec_cli.events import Sampling
+from batchspec_cli.engine import drafters
+from batchspec_cli.engine.core import EngineConfig
+from batchspec_cli.engine.events import Sampling
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
-from batchspec_cli.models import cache_dir, default_draft_path, load_model
+from batchspec_cli.models.loading import cache_dir, default_draft_path, load_model
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "prompts.jsonl"
 runner = CliRunner()

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, StepStats
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, StepStats
 from conftest import (TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows,
                       scheduled)
 
@@ -289,7 +289,7 @@ def assert_equal_or_error_rows(results, references):
 
 @pytest.mark.parametrize("mode", ["exspec", "eqspec", "auto"])
 def test_out_of_memory_inside_realign_leaves_no_trace(target, drafts, prompts, eos_ids, references, monkeypatch, mode):
-    from batchspec_cli import align
+    from batchspec_cli.engine import align
 
     counter = {"n": 0}
     monkeypatch.setattr(align, "_gather", _fail_calls(align._gather, {3, 9, 10}, counter))
@@ -303,7 +303,7 @@ def test_out_of_memory_inside_realign_leaves_no_trace(target, drafts, prompts, e
 
 def test_out_of_memory_inside_grow_falls_back_to_the_exact_need(target, drafts, prompts, eos_ids, references,
                                                                 monkeypatch):
-    from batchspec_cli.align import SlotCache
+    from batchspec_cli.engine.align import SlotCache
 
     counter = {"n": 0}
     monkeypatch.setattr(SlotCache, "_new_buffer", staticmethod(_fail_calls(SlotCache._new_buffer, {3}, counter)))
@@ -314,7 +314,7 @@ def test_out_of_memory_inside_grow_falls_back_to_the_exact_need(target, drafts, 
 
 
 def test_a_cache_that_cannot_grow_errors_out_the_rows_that_need_it(target, drafts, eos_ids, monkeypatch):
-    from batchspec_cli.align import SlotCache
+    from batchspec_cli.engine.align import SlotCache
 
     short, long = ragged_prompts(4, seed=41, lo=3, hi=6), ragged_prompts(2, seed=42, lo=70, hi=80)
     prompts = short + long
@@ -396,7 +396,7 @@ def test_exspec_default_policy_runs_same_length_groups_without_moving_kv(target,
 
 
 def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
-    from batchspec_cli.engine import prefill_chunks
+    from batchspec_cli.engine.core import prefill_chunks
 
     for n_rows, columns, most in [(5, 3, 7), (3, 20, 7), (1, 1, 4096), (9, 4096, 4096), (4, 5, 20)]:
         chunks = list(prefill_chunks(list(range(n_rows)), columns, most))
@@ -411,7 +411,7 @@ def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
 def test_prefill_in_chunks_of_rows_and_of_columns_equals_greedy(monkeypatch, target, drafts, prompts, eos_ids,
                                                                 references, mode):
     """A budget of 7 tokens a forward: rows of 24-column prompts are prefilled alone, 7 columns at a time."""
-    from batchspec_cli import engine
+    from batchspec_cli.engine import core as engine
 
     monkeypatch.setattr(engine, "PREFILL_TOKENS", 7)
     chunks, real = [], engine.prefill_chunks

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling
-from batchspec_cli.models import SubsetHead
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, Sampling
+from batchspec_cli.models.loading import SubsetHead
 from conftest import TINY_VOCAB_SIZE, exact_first_two, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchspec_cli import constraints, drafters
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, Sampling, StepStats
+from batchspec_cli.engine import constraints, drafters
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, Sampling, StepStats
 from conftest import make_tiny_llama, perturbed_copy
 from test_structured import EOS, LLT, PADDED_VOCAB, TOKENIZER  # a byte-level tokenizer llguidance reads
 

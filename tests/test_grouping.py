@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from batchspec_cli.grouping import MovePlan, Pool, Slots, StaticBatch, assemble, cheapest_window, select_group
-from batchspec_cli.grouping import target_end
+from batchspec_cli.policy.grouping import MovePlan, Pool, Slots, StaticBatch, assemble, cheapest_window, select_group
+from batchspec_cli.policy.grouping import target_end
 
 
 def slots(*rows, n: int | None = None, last_run=None) -> Slots:

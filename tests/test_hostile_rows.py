@@ -22,9 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli import input_table, outputs
 from batchspec_cli.cli import app
-from batchspec_cli.models import load_model
+from batchspec_cli.io import input_table
+from batchspec_cli.models.loading import load_model
+from batchspec_cli.store import outputs
 from conftest import greedy_reference, save_tiny_model_dir
 
 cli = CliRunner()

@@ -1,5 +1,5 @@
-"""Input reading, prompt rendering and output writing (batchspec_cli/inputs.py, input_table.py, jsonl.py, cells.py,
-prompts.py, outputs.py, files.py)."""
+"""Input reading, prompt rendering and output writing (batchspec_cli/io/inputs.py, input_table.py, jsonl.py, cells.py,
+prompts.py; batchspec_cli/store/outputs.py, files.py)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchspec_cli import files, input_table, inputs, jsonl
-from batchspec_cli.events import RowResult
+from batchspec_cli.engine.events import RowResult
 from batchspec_cli.errors import InputError
-from batchspec_cli.files import check_output_path
-from batchspec_cli.inputs import read_input
-from batchspec_cli.outputs import read_completions, read_run_metadata
-from batchspec_cli.outputs import (OUTPUT_COLUMNS, results_from_table, results_table, stats_from_table, stats_path_for,
-                                   stats_table, write_completions, write_stats)
-from batchspec_cli.prompts import render_prompt
+from batchspec_cli.io import input_table, inputs, jsonl
+from batchspec_cli.io.inputs import read_input
+from batchspec_cli.io.prompts import render_prompt
+from batchspec_cli.store import files
+from batchspec_cli.store.files import check_output_path
+from batchspec_cli.store.outputs import (OUTPUT_COLUMNS, results_from_table, results_table, stats_from_table,
+                                         stats_path_for, stats_table, write_completions, write_stats)
+from batchspec_cli.store.outputs import read_completions, read_run_metadata
 from conftest import make_step
 
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_data"

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchspec_cli.checkpoint import WorkDir
 from batchspec_cli.config import GenerateConfig, UsageError
-from batchspec_cli.events import StepStats
-from batchspec_cli.done import StepNumbering
-from batchspec_cli.job import Generation, work_dir_for
+from batchspec_cli.engine.events import StepStats
+from batchspec_cli.job.done import StepNumbering
+from batchspec_cli.job.generation import Generation, work_dir_for
+from batchspec_cli.store.checkpoint import WorkDir
 from conftest import make_step
 
 
@@ -60,9 +60,9 @@ def test_the_job_numbers_the_steps_of_every_engine_run_and_of_a_resumed_one_as_o
     sequence 1..n, the second run's after the saved steps."""
     import pyarrow.parquet as pq
 
-    from batchspec_cli.assembly import RunsOn
-    from batchspec_cli.events import RowResult
-    from batchspec_cli.outputs import stats_path_for
+    from batchspec_cli.job.assembly import RunsOn
+    from batchspec_cli.engine.events import RowResult
+    from batchspec_cli.store.outputs import stats_path_for
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.parquet"
     inp.write_text("".join(f'{{"prompt": "row {i}"}}\n' for i in range(6)))

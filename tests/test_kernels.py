@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from batchspec_cli import kernels
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult
+from batchspec_cli.models import kernels
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, malloc_in_use, perturbed_copy
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
@@ -116,7 +116,7 @@ class _Loaded:
 def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch):
     """--kernels auto: packed for float32 on a CPU, stock (and a note) when the copies would not fit in half the
     free memory, stock without a note for other dtypes; --kernels packed forces them; stock leaves the model alone."""
-    from batchspec_cli.assembly import use_kernels
+    from batchspec_cli.job.assembly import use_kernels
 
     weights = sum(m.weight.numel() * 4 for m in tiny().modules() if type(m) is torch.nn.Linear)
     assert kernels.packable_bytes(tiny()) == weights > 0
@@ -166,8 +166,8 @@ _MANY_SHAPES = """
 import sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import malloc_in_use
-from batchspec_cli import kernels
-from batchspec_cli.assembly import use_kernels
+from batchspec_cli.models import kernels
+from batchspec_cli.job.assembly import use_kernels
 
 class Loaded:  # what use_kernels reads of a loaded model
     def __init__(self, model):

@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from batchspec_cli import drafters
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling
+from batchspec_cli.engine import drafters
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, Sampling
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, scheduled
 
 torch.set_num_threads(1)
@@ -184,7 +184,7 @@ def test_rows_without_logprobs_are_unchanged(target, draft, prompts, eos_ids):
 
 @pytest.mark.parametrize("vocab", [100, 128 * 5, 128 * 40 + 17, 49152])
 def test_top_n_equals_a_topk_over_the_whole_vocabulary(vocab):
-    from batchspec_cli.logprobs import top_n
+    from batchspec_cli.engine.logprobs import top_n
 
     generator = torch.Generator().manual_seed(vocab)
     x = torch.randn(3, 4, vocab, generator=generator, dtype=torch.float64)

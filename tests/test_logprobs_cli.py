@@ -12,13 +12,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchspec_cli.outputs import read_run_metadata
-from batchspec_cli.outputs import LOGPROBS_TYPE, results_from_table, results_table
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.events import RowResult, TokenLogprob
-from batchspec_cli.job import Generation
-from batchspec_cli.models import load_model
+from batchspec_cli.engine.events import RowResult, TokenLogprob
+from batchspec_cli.job.generation import Generation
+from batchspec_cli.models.loading import load_model
+from batchspec_cli.store.outputs import LOGPROBS_TYPE, results_from_table, results_table
+from batchspec_cli.store.outputs import read_run_metadata
 from conftest import save_target_and_draft_dirs
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Model-free drafters (batchspec_cli/lookup.py) against brute-force references.
+"""Model-free drafters (batchspec_cli/policy/lookup.py) against brute-force references.
 
 The oracles (tests/lookup_oracles.py): `_brute_prompt_lookup` scans every n and every earlier position;
 `_brute_suffix_counts` scans every retained document at every position. The structures
@@ -16,8 +16,8 @@ import tracemalloc
 
 import pytest
 
-from batchspec_cli import drafters
-from batchspec_cli.lookup import PromptLookup, SuffixCorpus, SuffixIndex
+from batchspec_cli.engine import drafters
+from batchspec_cli.policy.lookup import PromptLookup, SuffixCorpus, SuffixIndex
 from lookup_oracles import (_brute_prompt_lookup, _brute_suffix_counts, _brute_suffix_draft, index_of, memory_estimate,
                             next_counts)
 

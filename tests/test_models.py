@@ -23,8 +23,8 @@ from conftest import (
 )
 from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, T5Config
 
-from batchspec_cli import models
-from batchspec_cli.models import (
+from batchspec_cli.models import loading as models
+from batchspec_cli.models.loading import (
     DEFAULT_TARGET,
     ModelError,
     cache_dir,

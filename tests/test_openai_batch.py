@@ -16,13 +16,14 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from typer.testing import CliRunner
 
-from batchspec_cli import constraints, openai_batch
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.events import RowResult, Sampling, TokenLogprob
-from batchspec_cli.input_table import InputTable
-from batchspec_cli.job import Generation, work_dir_for
-from batchspec_cli.models import load_model
+from batchspec_cli.engine import constraints
+from batchspec_cli.engine.events import RowResult, Sampling, TokenLogprob
+from batchspec_cli.io import openai_batch
+from batchspec_cli.io.input_table import InputTable
+from batchspec_cli.job.generation import Generation, work_dir_for
+from batchspec_cli.models.loading import load_model
 from conftest import greedy_reference, make_tokenizer, save_target_and_draft_dirs
 
 torch.set_num_threads(1)

@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from batchspec_cli import align, control, drafters
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, StepStats
+from batchspec_cli.engine import align, drafters
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, StepStats
+from batchspec_cli.policy import control
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, perturbed_copy, run_engine_rows
 
 torch.set_num_threads(1)
@@ -68,7 +69,7 @@ def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(tar
 def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(target, monkeypatch):
     """Requests that say how many they are and their longest padded prompt (``job.Counted``): the first admission
     reserves every slot the job fills at the longest length, so the longer bucket grows nothing; rows stay exact."""
-    from batchspec_cli.job import Counted
+    from batchspec_cli.job.generation import Counted
 
     prompts = prompts_of(6, seed=1, lo=4, hi=9) + prompts_of(6, seed=2, lo=60, hi=70)
     buckets = [0] * 6 + [1] * 6

@@ -13,14 +13,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchspec_cli import constraints, drafters
 from batchspec_cli.cli import app
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling
-from batchspec_cli.outputs import write_stats
-from batchspec_cli.prefix import PrefixStore, common_length, neighbours, share_groups
-from batchspec_cli.sampling import gumbel, noise_base, row_key
+from batchspec_cli.engine import constraints, drafters
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, Sampling
+from batchspec_cli.engine.prefix import PrefixStore, common_length, neighbours, share_groups
+from batchspec_cli.engine.sampling import gumbel, noise_base, row_key
 from batchspec_cli.stats import summarize
+from batchspec_cli.store.outputs import write_stats
 from conftest import (TINY_VOCAB_SIZE, greedy_reference, make_step, make_tiny_llama, perturbed_copy, run_engine_rows,
                       save_target_and_draft_dirs, scheduled)
 

@@ -7,11 +7,11 @@ import json
 import pyarrow as pa
 from typer.testing import CliRunner
 
-from batchspec_cli.input_table import InputTable
-from batchspec_cli.prompts import max_prompt_bytes, render_prompt
 from batchspec_cli.cli import app
-from batchspec_cli import prompts as prompts_module
-from batchspec_cli.prompts import render_chunks, render_prompts
+from batchspec_cli.io import prompts as prompts_module
+from batchspec_cli.io.input_table import InputTable
+from batchspec_cli.io.prompts import max_prompt_bytes, render_prompt
+from batchspec_cli.io.prompts import render_chunks, render_prompts
 from conftest import make_tokenizer, save_tiny_model_dir
 
 STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'tool' %}"

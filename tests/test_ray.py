@@ -26,8 +26,8 @@ from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
 from batchspec_cli.distributed import make_blocks
-from batchspec_cli.events import Request
-from batchspec_cli.job import work_dir_for
+from batchspec_cli.engine.events import Request
+from batchspec_cli.job.generation import work_dir_for
 from conftest import save_target_and_draft_dirs, save_tiny_model_dir
 
 cli = CliRunner()
@@ -47,8 +47,8 @@ def test_a_resumed_ray_job_teaches_every_worker_the_saved_rows(tmp_path, tiny_mo
     saved rows as a resumed single-process engine's do, not start empty (no Ray needed: a Worker in-process)."""
     from batchspec_cli.config import GenerateConfig
     from batchspec_cli.distributed import RayConfig, RayExecutor, Worker
-    from batchspec_cli.events import RowResult
-    from batchspec_cli.job import Generation
+    from batchspec_cli.engine.events import RowResult
+    from batchspec_cli.job.generation import Generation
 
     inp = tmp_path / "in.jsonl"
     rng = random.Random(3)
@@ -186,7 +186,7 @@ def log_events(path: Path) -> list[dict]:
 def runs(ray_cluster, models, prompts, tmp_path_factory):
     """Single-process and --ray runs, greedy and sampled: {(name, 'single'|'ray'): (out, log)}; under
     ('loaded', name, how) the models this process (the driver of a --ray run) loaded, counted."""
-    from batchspec_cli import models as model_loading
+    from batchspec_cli.models import loading as model_loading
 
     root = tmp_path_factory.mktemp("ray_runs")
     done = {}

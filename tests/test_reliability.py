@@ -28,8 +28,8 @@ from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.events import RowResult
-from batchspec_cli.job import Generation, work_dir_for
+from batchspec_cli.engine.events import RowResult
+from batchspec_cli.job.generation import Generation, work_dir_for
 from conftest import save_target_and_draft_dirs, make_tokenizer, save_tiny_model_dir
 
 torch.set_num_threads(1)

@@ -6,12 +6,11 @@ import re
 import sys
 from pathlib import Path
 
-from batchspec_cli import models
 from batchspec_cli.errors import one_line
+from batchspec_cli.models import loading as models
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted([*ROOT.glob("batchspec_cli/*.py"), *ROOT.glob("buckets/*.py"), *ROOT.glob("scripts/*.py"),
-                  *ROOT.glob("benchmarks/*.py")])
+SOURCES = sorted([*ROOT.glob("batchspec_cli/**/*.py"), *ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py")])
 
 
 def test_one_line_is_defined_once_and_used_everywhere():

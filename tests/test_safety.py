@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli import files, outputs
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.events import RowResult
-from batchspec_cli.job import Generation, work_dir_for
+from batchspec_cli.engine.events import RowResult
+from batchspec_cli.job.generation import Generation, work_dir_for
+from batchspec_cli.store import files, outputs
 from conftest import save_tiny_model_dir
 
 cli = CliRunner()
@@ -476,7 +476,7 @@ def test_ctrl_c_while_starting_is_the_interrupt_exit_code_without_a_traceback(tm
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_the_models_load_stops_at_once_with_nothing_left(tmp_path, job_dir, model, monkeypatch,
                                                                         reference, sig):
-    from batchspec_cli import models
+    from batchspec_cli.models import loading as models
 
     inp, out = job_dir
     real = models.load_model
@@ -496,7 +496,7 @@ def test_a_signal_while_the_models_load_stops_at_once_with_nothing_left(tmp_path
 def test_an_output_that_a_glob_input_matches_is_refused(tmp_path):
     """A dataset given as a glob reads every file it matches: OUT (or --stats) among them would destroy an input."""
     from batchspec_cli.errors import InputError
-    from batchspec_cli.files import check_distinct
+    from batchspec_cli.store.files import check_distinct
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -511,7 +511,7 @@ def test_an_output_that_a_glob_input_matches_is_refused(tmp_path):
 def test_a_signal_that_lands_in_a_finalizer_while_the_models_load_still_stops(tmp_path, job_dir, model, monkeypatch,
                                                                               reference, sig):
     """Python swallows an exception raised in __del__ ("Exception ignored in"); the stop must not be lost with it."""
-    from batchspec_cli import models
+    from batchspec_cli.models import loading as models
 
     inp, out = job_dir
     real = models.load_model

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling, StepStats
-from batchspec_cli.sampling import row_key
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, Sampling, StepStats
+from batchspec_cli.engine.sampling import row_key
 from conftest import TINY_VOCAB_SIZE, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)
@@ -99,7 +99,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from batchspec_cli.cli import app  # noqa: E402
 from batchspec_cli.config import GenerateConfig  # noqa: E402
-from batchspec_cli.job import Generation  # noqa: E402
+from batchspec_cli.job.generation import Generation  # noqa: E402
 from batchspec_cli.verify import verify_run  # noqa: E402
 from conftest import save_target_and_draft_dirs  # noqa: E402
 

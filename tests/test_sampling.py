@@ -1,4 +1,4 @@
-"""Oracles for the sampling math in batchspec_cli.sampling: warping, keyed Gumbel noise, the coupling.
+"""Oracles for the sampling math in batchspec_cli.engine.sampling: warping, keyed Gumbel noise, the coupling.
 
 The statistical tests draw one coupled token per row key (the noise is keyed, so rows are
 independent draws) and compare the empirical distribution with the warped target's exact
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from batchspec_cli.sampling import coupled_accept, gumbel, gumbel_tokens, noise_base, row_key, warp_probs
+from batchspec_cli.engine.sampling import coupled_accept, gumbel, gumbel_tokens, noise_base, row_key, warp_probs
 
 torch.set_num_threads(1)
 

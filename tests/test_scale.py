@@ -25,10 +25,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from batchspec_cli import merge
 from batchspec_cli.cli import app
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.job import Generation, work_dir_for
+from batchspec_cli.job.generation import Generation, work_dir_for
+from batchspec_cli.store import merge
 from conftest import save_target_and_draft_dirs, save_tiny_model_dir
 
 torch.set_num_threads(1)
@@ -120,10 +120,10 @@ OPEN_PEAK = """
 import sys, tracemalloc
 from pathlib import Path
 import pyarrow as pa
-from batchspec_cli import input_table, inputs, jsonl, prompts
+from batchspec_cli.io import input_table, inputs, jsonl, prompts
 from batchspec_cli.config import GenerateConfig
-from batchspec_cli.job import Generation
-from buckets import bucketing
+from batchspec_cli.job.generation import Generation
+from batchspec_cli.store import buckets as bucketing
 # What the setup holds at once, its chunks and buffers, made small, so that both sizes fill them: what grows is
 # then what grows with the rows.
 input_table.CHUNK_ROWS = jsonl.CHUNK_ROWS = inputs.CHUNK_ROWS = 1024
@@ -167,8 +167,8 @@ def test_the_merge_holds_its_buffer_however_many_ranges_the_rows_scatter_over(tm
     input order). What it holds between parts stays within its buffer's bound, the pieces' own cost counted: a
     piece must not keep its whole part alive, and thousands of small pieces weigh more than their rows. Every row
     comes back once, in input order, as written (the oracle: the parts themselves, sorted)."""
-    from batchspec_cli import outputs
-    from batchspec_cli.events import RowResult
+    from batchspec_cli.store import outputs
+    from batchspec_cli.engine.events import RowResult
 
     rows = 20000
     rng = random.Random(0)
@@ -196,7 +196,8 @@ def test_the_merge_holds_its_buffer_however_many_ranges_the_rows_scatter_over(tm
 
 SLOW = """
 import sys, time
-from batchspec_cli import merge, writer
+from batchspec_cli.store import merge
+from batchspec_cli.job import writer
 save, ranges = writer.Unsaved.save, merge.ranges
 def slow_save(self):
     save(self)
@@ -290,8 +291,8 @@ def test_three_kills_one_in_the_finish_then_rerun_every_row_once(tmp_path, model
 def test_a_checkpoint_part_is_due_by_rows_or_by_tokens_whichever_first():
     """Parts hold up to checkpoint_rows rows, but long rows (each perhaps with its logprobs) leave memory once their
     completion tokens reach Unsaved.MOST_TOKENS: a part every 28 rows of 600 tokens, every 1,024 rows of 8."""
-    from batchspec_cli.events import RowResult
-    from batchspec_cli.writer import Unsaved
+    from batchspec_cli.engine.events import RowResult
+    from batchspec_cli.job.writer import Unsaved
 
     class Parts:  # the work directory's save_part, counted
         def __init__(self):

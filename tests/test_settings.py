@@ -11,14 +11,14 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from batchspec_cli.assembly import RunsOn
-from batchspec_cli.cli import app
-from batchspec_cli.samples import Samples
 from batchspec_cli import config
+from batchspec_cli.cli import app
 from batchspec_cli.config import FINGERPRINT_LABELS, GenerateConfig, settings
-from batchspec_cli.job import Generation
-from batchspec_cli.writer import metadata
-from batchspec_cli.plan import fingerprint
+from batchspec_cli.io.samples import Samples
+from batchspec_cli.job.assembly import RunsOn
+from batchspec_cli.job.generation import Generation
+from batchspec_cli.job.plan import fingerprint
+from batchspec_cli.job.writer import metadata
 
 
 def generate_command_params() -> dict:
@@ -171,8 +171,8 @@ def old_metadata(job) -> dict:
 
 
 def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
-    monkeypatch.setattr("batchspec_cli.writer._transformers_version", lambda: "x")
-    monkeypatch.setattr("batchspec_cli.writer.__version__", "0.1.0")
+    monkeypatch.setattr("batchspec_cli.job.writer._transformers_version", lambda: "x")
+    monkeypatch.setattr("batchspec_cli.job.writer.__version__", "0.1.0")
     for draft in (True, False):
         job = a_job(draft)
         assert fingerprint(job.cfg, job) == old_fingerprint(job)  # an old work directory still resumes

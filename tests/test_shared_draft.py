@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from batchspec_cli import models
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult
+from batchspec_cli.models import loading as models
 from conftest import greedy_reference, make_tokenizer, make_tiny_llama, perturbed_copy
 
 torch.set_num_threads(1)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from batchspec_cli.outputs import write_stats
 from batchspec_cli.cli import app
 from batchspec_cli.stats import acceptance_length, summarize, summarize_rows
+from batchspec_cli.store.outputs import write_stats
 from conftest import round_step as step
 
 

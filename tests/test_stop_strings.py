@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from batchspec_cli.stops import StopStrings
+from batchspec_cli.engine.stops import StopStrings
 from conftest import BOS_ID, PAD_ID, make_tokenizer
 
 

@@ -26,12 +26,12 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-from batchspec_cli import constraints, drafters
-from batchspec_cli.control import FixedK
-from batchspec_cli.engine import Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, Sampling
-from batchspec_cli.models import cache_kwarg
-from batchspec_cli.sampling import gumbel, noise_base, row_key
+from batchspec_cli.engine import constraints, drafters
+from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, Sampling
+from batchspec_cli.engine.sampling import gumbel, noise_base, row_key
+from batchspec_cli.models.loading import cache_kwarg
+from batchspec_cli.policy.control import FixedK
 
 EOS = 1
 PADDED_VOCAB = 7  # model logits past the tokenizer's vocabulary
@@ -452,7 +452,7 @@ def test_fingerprint_holds_the_constraint(tmp_path):
     from types import SimpleNamespace
 
     from batchspec_cli.config import GenerateConfig
-    from batchspec_cli.plan import fingerprint, job_constraint
+    from batchspec_cli.job.plan import fingerprint, job_constraint
 
     schema = tmp_path / "s.json"
 

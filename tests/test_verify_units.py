@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from batchspec_cli import verify
 from batchspec_cli.cli import app
-from batchspec_cli.outputs import read_run_metadata
+from batchspec_cli.store.outputs import read_run_metadata
 from conftest import save_target_and_draft_dirs, tamper_token
 from test_cli import PROMPTS, write_jsonl
 

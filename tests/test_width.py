@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from batchspec_cli.control import choose_width, wider_pays
-from batchspec_cli.engine import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
-from batchspec_cli.events import Request, RowResult, StepStats, WidthChosen
+from batchspec_cli.engine.core import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
+from batchspec_cli.engine.events import Request, RowResult, StepStats, WidthChosen
+from batchspec_cli.policy.control import choose_width, wider_pays
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama
 
 torch.set_num_threads(1)

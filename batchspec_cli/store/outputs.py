@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import InputError
-from .events import RowResult, StepStats, TokenLogprob
+from ..engine.events import RowResult, StepStats, TokenLogprob
+from ..errors import InputError
 from .files import check_readable_file, first_line, reading_parquet, replace_atomic
 
 OUTPUT_COLUMNS: tuple[str, ...] = (

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .errors import one_line
+from ..errors import one_line
 
 
 KINDS = ("json_schema", "json", "regex", "choice")

@@ -13,9 +13,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..errors import one_line
 from . import openai_batch
 from .cells import Prompt
-from .errors import one_line
 from .input_table import InputTable
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .checkpoint import hash_files
-from .errors import InputError, one_line
+from ..errors import InputError, one_line
+from ..store.checkpoint import hash_files
 from .input_table import InputTable
 from .inputs import table_input
 
@@ -38,7 +38,7 @@ _FILE_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".pq", ".csv", ".txt
 
 def kind(path) -> str | None:
     """"saved", "glob", "hub", or None for a file path (existing or not) or another directory."""
-    from .models import _HUB_ID
+    from ..models.loading import _HUB_ID
 
     p, spec = Path(path), str(path)
     if p.is_dir():
@@ -105,7 +105,7 @@ def _pick_split(spec: str, loaded, split: str):
 
 
 def _load_hub(datasets, spec: str, config: str | None, split: str):
-    from .models import _hub_offline, _hub_reachable
+    from ..models.loading import _hub_offline, _hub_reachable
 
     cache = datasets.config.HF_DATASETS_CACHE
     offline = _hub_offline() or bool(datasets.config.HF_HUB_OFFLINE)

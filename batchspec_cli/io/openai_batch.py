@@ -50,13 +50,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from . import __version__
-from . import constraints
+from .. import __version__
+from ..config import MAX_N
+from ..engine import constraints
+from ..engine.events import RowResult, TokenLogprob
+from ..errors import InputError
+from ..store.files import check_readable_file, write_text_atomic
 from .cells import BadPrompt, Prompt, check_unique, parse_messages
-from .config import MAX_N
-from .errors import InputError
-from .events import RowResult, TokenLogprob
-from .files import check_readable_file, write_text_atomic
 from .input_table import Ids, InputTable
 from .jsonl import JSONL_SUFFIXES, read_jsonl
 

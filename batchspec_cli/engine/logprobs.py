@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from . import sampling
 from .align import device_tensor
-from .config import LOGPROBS_MODES, MAX_TOP_LOGPROBS
 from .events import Request, TokenLogprob
 
 DESCRIPTIONS = {

@@ -17,12 +17,11 @@ from collections import deque
 
 import numpy as np
 
-from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, iter_bucket_rows
-
-from . import lookup
-from . import outputs
-from .checkpoint import WorkDir
-from .events import StepStats
+from ..engine.events import StepStats
+from ..policy import lookup
+from ..store import outputs
+from ..store.buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, iter_bucket_rows
+from ..store.checkpoint import WorkDir
 from .plan import JobPlan
 
 Preload = tuple[list[int], list[int] | None]  # a saved row as the drafters learn it: (prompt, completion or None)

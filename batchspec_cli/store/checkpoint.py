@@ -52,8 +52,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .errors import one_line
-from .events import RowResult, StepStats
+from ..engine.events import RowResult, StepStats
+from ..errors import one_line
 from .files import create_temp, fsync_directory, naming, pid_alive
 from .outputs import part_schema, results_table, stats_table, write_parquet_stream_atomic, write_table_atomic
 

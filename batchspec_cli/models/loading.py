@@ -46,8 +46,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from ..errors import one_line
 from . import attention
-from .errors import one_line
 
 
 class ModelError(Exception):

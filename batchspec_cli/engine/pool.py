@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ..policy.grouping import MovePlan, Slots
 from .align import SlotTable, device_tensor
 from .events import Request
-from .grouping import MovePlan, Slots
 from .slots import SlotState
 
 

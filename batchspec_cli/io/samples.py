@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import MAX_N, GenerateConfig
+from ..config import MAX_N, GenerateConfig
 from .input_table import InputTable
 
 SAMPLE_COLUMN = "sample"  # the output column numbering an input row's samples 0 .. n-1
@@ -97,7 +97,7 @@ def n_cells(inp: InputTable, cfg: GenerateConfig) -> list | None:
     column = cfg.n_column
     if column is None:
         return None
-    from .errors import InputError
+    from ..errors import InputError
 
     if column not in inp.table.column_names:
         raise InputError(f"{cfg.input}: --n-column names column {column!r}, which is not in the input")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 DEFAULT_PROMPT_COLUMN = "prompt"
 MESSAGES_COLUMN = "messages"  # the OpenAI and Hugging Face chat shape: the prompts where there is no `prompt` column

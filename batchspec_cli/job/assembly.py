@@ -16,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import constraints
-from . import drafters
-from . import models
-from .config import AUTO, GenerateConfig
-from .engine import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
-from .stops import StopStrings
+from ..config import AUTO, GenerateConfig
+from ..engine import constraints
+from ..engine import drafters
+from ..engine.core import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
+from ..engine.stops import StopStrings
+from ..models import loading as models
 
 PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
 
@@ -51,7 +51,7 @@ class LazyDraft:
             if draft.model.device != self.target.model.device:
                 raise models.ModelError("draft and target ended up on different devices")
             if self.packed:
-                from . import kernels
+                from ..models import kernels
 
                 kernels.prepack(draft.model)
             self.loaded = draft
@@ -125,7 +125,7 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
     what packing a model loaded later (the draft) would add; ``auto`` counts it now."""
     if name == "stock":
         return "stock", []
-    from . import kernels
+    from ..models import kernels
 
     present = [m.model for m in loaded if m is not None]
     if not kernels.available():

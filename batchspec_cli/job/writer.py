@@ -17,22 +17,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from . import __version__
-from . import logprobs as lp
-from . import merge
-from . import openai_batch
-from . import outputs
+from .. import __version__
+from ..config import AUTO, GenerateConfig, settings_record
+from ..engine import logprobs as lp
+from ..engine.core import pool_window
+from ..engine.events import RowResult, StepStats
+from ..engine.stops import StopStrings
+from ..io import openai_batch
+from ..io.input_table import StoredTable, id_array
+from ..io.row_settings import row_value
+from ..io.samples import SAMPLE_COLUMN
+from ..store import merge
+from ..store import outputs
+from ..store.checkpoint import WorkDir
+from ..store.files import write_text_stream_atomic
 from .assembly import RunsOn
-from .checkpoint import WorkDir
-from .config import AUTO, GenerateConfig, settings_record
-from .engine import pool_window
-from .events import RowResult, StepStats
-from .files import write_text_stream_atomic
-from .input_table import StoredTable, id_array
 from .plan import JobPlan, release_free_memory
-from .row_settings import row_value
-from .samples import SAMPLE_COLUMN
-from .stops import StopStrings
 
 
 def metadata(cfg: GenerateConfig, plan: JobPlan, runs_on: RunsOn | None) -> dict:

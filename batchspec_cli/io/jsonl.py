@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import InputError
+from ..errors import InputError
 from .input_table import CHUNK_ROWS, StoredTable, storable, storable_schema, text_array
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

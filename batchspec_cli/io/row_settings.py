@@ -7,10 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import constraints
-from .config import MAX_TOP_LOGPROBS, GenerateConfig
-from .constraints import Constraint
-from .errors import InputError
+from ..config import MAX_TOP_LOGPROBS, GenerateConfig
+from ..engine import constraints
+from ..engine.constraints import Constraint
+from ..errors import InputError
 from .input_table import InputTable
 
 

@@ -30,27 +30,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, bucket_chunk, is_bucket_dir, open_buckets,
-                     read_all_rows, settings_hash, write_buckets)
-
-from . import constraints
-from . import merge
-from . import drafters
-from . import models
-from . import openai_batch
-from . import sources
-from .checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
-from .config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, bucket_rows, settings_record,
-                     tokenizer_settings)
-from .constraints import Constraint
-from .errors import InputError
-from .events import RowResult
-from .files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
-from .input_table import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
-from .outputs import stats_path_for
-from .prompts import render_chunks
-from .row_settings import row_overrides, setting_columns
-from .samples import SAMPLE_COLUMN, Samples, job_samples, n_cells
+from ..config import (FINGERPRINT_LABELS, GenerateConfig, UsageError, bucket_rows, settings_record,
+                      tokenizer_settings)
+from ..engine import constraints
+from ..engine import drafters
+from ..engine.constraints import Constraint
+from ..engine.events import RowResult
+from ..errors import InputError
+from ..io import openai_batch
+from ..io import sources
+from ..io.input_table import TEXT_COLUMNS, Ids, InputTable, StoredTable, id_array
+from ..io.prompts import render_chunks
+from ..io.row_settings import row_overrides, setting_columns
+from ..io.samples import SAMPLE_COLUMN, Samples, job_samples, n_cells
+from ..models import loading as models
+from ..store import merge
+from ..store.buckets import (PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, Manifest, bucket_chunk, is_bucket_dir,
+                             open_buckets, read_all_rows, settings_hash, write_buckets)
+from ..store.checkpoint import CheckpointError, WorkDir, describe_changes, hash_files, model_signature
+from ..store.files import check_distinct, check_output_path, check_writable, naming, remove_stale_temps
+from ..store.outputs import stats_path_for
 
 @dataclass(frozen=True)
 class JobPlan:

@@ -56,14 +56,14 @@ from . import drafters as drafting
 from . import sampling
 from .admission import Admission, error_row
 from .align import CacheFull, SlotCache, device_tensor, selection
-from .attention import for_run, group_forward, kv_column_bytes
-from .config import DEFAULT, MODES
+from ..models.attention import for_run, group_forward, kv_column_bytes
+from ..config import DEFAULT, MODES
 from .constraints import Guide
-from .control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
-                      wider_pays)
+from ..policy.control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
+                              wider_pays)
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats, WidthChosen
-from .grouping import MovePlan, Pool, StaticBatch
+from ..policy.grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .prefix import MAX_TOKENS, MIN_TOKENS, PrefixStore, share_groups
@@ -388,7 +388,7 @@ class Engine:
     def _free_memory(self) -> int | None:
         if self.device.type == "cuda":
             return torch.cuda.mem_get_info(self.device)[0]
-        from .kernels import memory_available
+        from ..models.kernels import memory_available
 
         return memory_available()
 

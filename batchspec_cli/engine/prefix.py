@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..models.attention import group_forward
 from .align import SlotCache
-from .attention import group_forward
 
 MIN_TOKENS = 64  # a prefix shorter than this is not shared
 MAX_TOKENS = 16384  # the kept prefix's most columns (its memory: one row of each model's KV this long)

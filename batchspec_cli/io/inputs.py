@@ -25,12 +25,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..errors import InputError
+from ..store.files import check_readable_file, reading_parquet
+from ..store.outputs import EXTRA_OUTPUT_COLUMNS, OUTPUT_COLUMNS
 from .cells import DEFAULT_PROMPT_COLUMN, BadPrompt, check_unique, parse_id, parse_prompt, prompt_column_in
-from .errors import InputError
-from .files import check_readable_file, reading_parquet
 from .input_table import CHUNK_ROWS, Ids, InputTable, Prompts, StoredTable, storable, storable_schema
 from .jsonl import JSONL_SUFFIXES, jsonl_chunked_table, jsonl_table, read_jsonl
-from .outputs import EXTRA_OUTPUT_COLUMNS, OUTPUT_COLUMNS
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 DEFAULT_ID_COLUMN = "id"

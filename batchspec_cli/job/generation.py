@@ -38,21 +38,21 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
+from ..store.buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
 
-from . import constraints
-from . import models
+from ..engine import constraints
+from ..models import loading as models
 from .assembly import Assembly, RunsOn, assemble
 from .bucket_progress import BucketDone, BucketProgress
-from .checkpoint import CheckpointError, LockHeld, WorkDir
-from .config import GenerateConfig, UsageError, os_error_message, validate
+from ..store.checkpoint import CheckpointError, LockHeld, WorkDir
+from ..config import GenerateConfig, UsageError, os_error_message, validate
 from .done import Done
-from .engine import Engine
-from .errors import InputError
-from .events import Request, RowResult, Sampling, StepStats
+from ..engine.core import Engine
+from ..errors import InputError
+from ..engine.events import Request, RowResult, Sampling, StepStats
 from .plan import JobPlan, plan_job, start_job
-from .prefix import neighbours
-from .row_settings import row_value
+from ..engine.prefix import neighbours
+from ..io.row_settings import row_value
 from .writer import Writer
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]

@@ -45,7 +45,7 @@ from typing import Callable
 
 import torch
 
-from .grouping import is_run
+from ..policy.grouping import is_run
 
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
 

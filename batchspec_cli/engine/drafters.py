@@ -33,9 +33,10 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import lookup, sampling
+from ..models.attention import group_forward
+from ..policy import lookup
+from . import sampling
 from .align import Selection, SlotCache
-from .attention import group_forward
 
 NAMES = ("ngram", "suffix", "grammar")
 

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import pyarrow as pa
 
-from .errors import InputError, one_line
+from ..errors import InputError, one_line
 
 
 def check_readable_file(path: Path) -> None:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InputError
+from ..store.checkpoint import hash_files
 from . import datasets_input
 from . import openai_batch
-from .checkpoint import hash_files
-from .errors import InputError
 from .input_table import InputTable
 from .inputs import read_input
 

@@ -1,0 +1,1 @@
+"""The decoding engine: the round over one slot pool, its admission, slots, drafters, sampling and constraints."""

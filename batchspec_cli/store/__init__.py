@@ -1,0 +1,2 @@
+"""What reaches disk: the file rules, the output files and checkpoint parts, the work directory, the merge and the
+length buckets."""
