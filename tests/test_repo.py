@@ -1,9 +1,12 @@
-"""The repository itself: one copy of each helper, scripts that use the package's constants."""
+"""The repository itself: one copy of each helper, scripts that use the package's constants, folders that show the
+layers."""
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 from batchspec_cli.errors import one_line
@@ -35,8 +38,6 @@ def test_scripts_use_the_package_s_cache_keyword_and_default_gguf():
 
 
 def test_torch_is_a_range_and_pinned_only_in_the_install_commands():
-    import tomllib
-
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -67,3 +68,40 @@ def test_readme_promises_only_what_holds():
         assert claim in guaranteed, claim
     size = readme_section("Repository size", "docs/operations.md")  # the policy for maintainers, out of the README
     assert "at least 3 points of held-out acceptance" in size and "replaces" in size and "not rewritten" in size
+
+
+LAYERS = ["policy", "models", "engine", "store", "io", "job"]  # batchspec_cli's folders, from the ground up
+FOUNDATION = {"errors", "config", "__version__"}  # batchspec_cli/errors.py, config.py, __init__.py: under every layer
+
+
+def imported(path: Path) -> list[str]:
+    """The package's own names that a module imports, as dotted paths below ``batchspec_cli`` (``engine.events``)."""
+    package = path.relative_to(ROOT).parent.parts  # ("batchspec_cli", "io")
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = [*package[1:len(package) - node.level + 1], *([node.module] if node.module else [])]
+            names += [".".join(base)] if node.module else [".".join([*base, a.name]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("batchspec_cli."):
+            names.append(node.module.removeprefix("batchspec_cli."))
+    return names
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    """input and storage above the engine, the engine above models and policy, the job on top; the command line,
+    `verify`, `stats` and the Ray runner beside ``cli.py`` may import any of them, no layer imports those."""
+    for path in sorted(ROOT.glob("batchspec_cli/*/*.py")):
+        below = LAYERS[:LAYERS.index(path.parent.name) + 1]
+        for name in imported(path):
+            assert name.split(".")[0] in [*below, *FOUNDATION], f"{path.relative_to(ROOT)} imports {name}"
+    drafters = set(imported(ROOT / "batchspec_cli" / "engine" / "drafters.py"))  # the reading itself, on one module
+    assert {"models.attention", "policy", "engine.sampling", "engine.align"} <= drafters
+
+
+def test_only_the_tool_s_own_name_is_installed():
+    from setuptools import find_packages
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(ROOT, include=find["include"])
+    assert {p.split(".")[0] for p in packages} == {"batchspec_cli"}  # no top-level `buckets` beside it
+    assert {f"batchspec_cli.{layer}" for layer in LAYERS} <= set(packages)
