@@ -444,6 +444,8 @@ def _measured(event: WidthChosen) -> str:
     if not event.rates:
         return f" ({event.stopped})"
     rates = ", ".join(f"{w}: {r:.0f}" for w, r in sorted(event.rates.items()))
+    if event.remembered:
+        return f" (auto, measured before on this machine: plain-step tokens/s by width {rates})"
     return f" (auto: plain-step tokens/s by width {rates}; stopped at {event.stopped})"
 
 

@@ -82,7 +82,8 @@ VLLM_SCRIPT = textwrap.dedent("""
         began = time.perf_counter()
         from vllm import LLM, SamplingParams
         model_dir, prompts_path, max_new = sys.argv[1], sys.argv[2], int(sys.argv[3])
-        llm = LLM(model=model_dir, dtype="bfloat16", seed=0)
+        # its CPU backend reserves this share of the machine's memory and refuses to start where less is free
+        llm = LLM(model=model_dir, dtype="bfloat16", seed=0, gpu_memory_utilization=float(sys.argv[4]))
         tok = llm.get_tokenizer()
         prompts = [json.loads(line)["prompt"] for line in open(prompts_path)]
         ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
@@ -127,7 +128,7 @@ def batchspec(inp: Path, out: Path, flags: list[str], threads: int, max_new: int
             "batch_size": events.get("batch_size", {}).get("batch_size"), "dtype": events["start"].get("dtype")}
 
 
-def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new: int) -> dict:
+def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new: int, *extra: str) -> dict:
     """One whole process of a peer's script."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(script)
@@ -135,7 +136,7 @@ def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new
            f"0-{threads - 1}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     start = time.perf_counter()
-    process = subprocess.Popen([python, f.name, str(model), str(inp), str(max_new)], env=env, stdout=subprocess.PIPE,
+    process = subprocess.Popen([python, f.name, str(model), str(inp), str(max_new), *extra], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
@@ -154,6 +155,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vllm-python", help="a python whose environment has vLLM's CPU build")
+    parser.add_argument("--vllm-memory", type=float, default=0.4,
+                        help="the share of the machine's memory vLLM may reserve (its own default, 0.92, does not start "
+                             "on a machine where other work holds more than 8 %%)")
     parser.add_argument("--skip", nargs="*", default=[], help="runs to leave out (default, ar-f32-b8, hf-bf16-b8)")
     args = parser.parse_args()
 
@@ -169,7 +173,7 @@ def main() -> None:
                                                 args.max_new_tokens)}
     if args.vllm_python:
         runs["vllm"] = lambda inp, out: peer(args.vllm_python, VLLM_SCRIPT, model_dir, inp, args.threads,
-                                             args.max_new_tokens)
+                                             args.max_new_tokens, str(args.vllm_memory))
     runs = {name: run for name, run in runs.items() if name not in args.skip}
     results: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:

@@ -84,3 +84,85 @@ def test_a_real_measurement_picks_a_measured_width():
     chosen, rows, _ = run(Engine(ModelHandle(target, "cache"), None, [1], cfg), requests(20))
     assert chosen[0].width in chosen[0].rates and all(rate > 0 for rate in chosen[0].rates.values())
     assert len(rows) == 20
+
+
+class Recorded(Timed):
+    """A Timed engine that keeps the contexts its bare steps were asked for."""
+
+    contexts: list[int]
+
+    def _bare_step(self, width: int, context: int):
+        self.contexts.append(context)
+        return super()._bare_step(width, context)
+
+
+def test_widths_are_timed_at_the_median_rows_context_and_bounded_by_the_longest_row():
+    from batchspec_cli.job.generation import Counted, median_padded
+
+    target = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+    reqs = requests(40)  # prompts of 1-12 tokens; the job says its median row is padded to 30, its longest to 200
+    cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True, kv_memory=16 * (200 + 9 + 1) * 1000)
+    engine = Recorded(ModelHandle(target, "cache"), None, [1], cfg)
+    engine.contexts = []
+    events = list(engine.run(Counted(reqs, len(reqs), longest=200, typical=30)))
+    chosen = [e for e in events if isinstance(e, WidthChosen)]
+    assert set(engine.contexts) == {30 + 9 // 2}  # not the first row's 1-12 tokens
+    assert sorted(chosen[0].rates) == [8, 16] and "memory" in chosen[0].stopped  # 32 rows of 210 columns do not fit
+    assert len([e for e in events if isinstance(e, RowResult)]) == 40
+
+    class B:  # a manifest's bucket: its padded length and its rows
+        def __init__(self, hi, rows):
+            self.hi, self.rows = hi, rows
+
+    assert median_padded([B(100, 1), B(10, 5), B(50, 3)]) == 10  # rows 1-5 of 9 are padded to 10
+    assert median_padded([B(10, 2), B(50, 3), B(100, 4)]) == 50  # the 5th of 9 rows
+    assert median_padded([]) is None
+
+
+def test_a_width_measured_before_on_this_machine_is_run_again_and_a_new_shape_is_measured(tmp_path):
+    from batchspec_cli.job.generation import Counted
+    from batchspec_cli.models.widths import WidthMemory
+
+    target = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
+    memory = WidthMemory(tmp_path / "cache" / "widths.json", {"machine": "this one"})
+
+    def job(typical: int, kv_memory: int | None = None):
+        cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True, width_memory=memory,
+                           kv_memory=kv_memory)
+        engine = Recorded(ModelHandle(target, "cache"), None, [1], cfg)
+        engine.contexts = []
+        reqs = requests(40)
+        events = list(engine.run(Counted(reqs, len(reqs), longest=20, typical=typical)))
+        rows = {e.row: e.token_ids for e in events if isinstance(e, RowResult)}
+        return [e for e in events if isinstance(e, WidthChosen)][0], engine.contexts, rows
+
+    first, timed, rows = job(typical=20)
+    assert timed and not first.remembered and first.width == 64  # measured (Timed: every width pays)
+    again, timed, rows_again = job(typical=20)
+    assert timed == [] and again.remembered and again.width == 64 and again.rates == first.rates
+    assert rows_again == rows
+    other, timed, _ = job(typical=300)  # another context: another shape, measured
+    assert timed and not other.remembered
+    squeezed, timed, _ = job(typical=20, kv_memory=16 * (20 + 9 + 1) * 1000)  # no longer fits: measured again
+    assert timed and not squeezed.remembered and squeezed.width == 16
+
+
+def test_the_width_memory_reads_nothing_through_a_symlink_and_survives_a_bad_file(tmp_path):
+    from batchspec_cli.models.widths import WidthMemory
+
+    elsewhere = tmp_path / "not_ours.json"
+    elsewhere.write_text('{"x": 1}')
+    link = tmp_path / "widths.json"
+    link.symlink_to(elsewhere)
+    memory = WidthMemory(link, {})
+    memory.remember({"a": 1}, 8, {8: 1.0})
+    assert memory.recall({"a": 1}) is None and elsewhere.read_text() == '{"x": 1}'  # neither read nor written
+    path = tmp_path / "own" / "widths.json"
+    path.parent.mkdir()
+    path.write_text("not json")
+    memory = WidthMemory(path, {"m": 1})
+    assert memory.recall({"a": 1}) is None
+    memory.remember({"a": 1}, 16, {8: 1.0, 16: 3.0})
+    assert memory.recall({"a": 1}) == (16, {8: 1.0, 16: 3.0}) and memory.recall({"a": 2}) is None
+    assert WidthMemory(path, {"m": 2}).recall({"a": 1}) is None  # another machine's facts
+    assert [p.name for p in path.parent.iterdir()] == ["widths.json"]  # no temporary file left

@@ -26,6 +26,7 @@ class Admission:
     def __init__(self, requests: Iterable[Request], batch_size: int):
         self.total = len(requests) if isinstance(requests, Sized) else None  # rows to come, when known
         self.longest: int | None = getattr(requests, "longest", None)  # the longest padded prompt to come, when known
+        self.typical: int | None = getattr(requests, "typical", None)  # the median row's padded prompt, when known
         self.stream = iter(requests)
         self.batch_size = batch_size
         self.exhausted = False  # the stream has ended (a held-back request may still wait)

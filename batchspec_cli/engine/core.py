@@ -68,6 +68,7 @@ from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .prefix import MAX_TOKENS, MIN_TOKENS, PrefixStore, share_groups
 from .stops import StopChecker
+from ..models.widths import WidthMemory
 
 _RUNNING, _STOP, _LENGTH, _STOP_STRING, _BROKEN = 0, 1, 2, 3, 4  # _BROKEN: non-finite logits
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
@@ -92,6 +93,8 @@ class EngineConfig:
     # best (control.choose_width), within kv_memory bytes of KV (None: KV_MEMORY_SHARE of the memory free then).
     auto_width: bool = False
     kv_memory: int | None = None
+    # ... and a width measured before for the same machine, model and job shape is run again (widths.WidthMemory)
+    width_memory: WidthMemory | None = None
     # rows that share a prompt prefix at least this long take its KV instead of computing it (prefix.py); 0: never
     prefix_min: int = MIN_TOKENS
     prefix_max: int = MAX_TOKENS  # the kept prefix's most columns (its memory: one row of each model's KV)
@@ -313,12 +316,15 @@ class Engine:
     # ------------------------------------------------------------------ the batch width (--batch-size auto)
     @torch.no_grad()
     def _measure_width(self, admission: Admission) -> WidthChosen:
-        """Time plain steps at growing widths on the job's first context and keep the best (``control``).
+        """Time plain steps at growing widths on the job's typical context and keep the best (``control``).
 
         Each width runs bare one-token forwards of the target over a throwaway cache of that many rows and the
-        context of the job's first row plus half its token limit (the timing does not depend on the cache's
-        values). Widths stop at the job's rows, at the KV memory budget (the rows, or the pool's window where
-        the engine can speculate, at the first row's full length) and at the first width that does not pay.
+        context of the job's median row (or, where the job does not know it, its first row) plus half the first
+        row's token limit (the timing does not depend on the cache's values; a decode step's rows each read their
+        own columns, ``attention.column_spans``, so the median row's context is what a step costs on average).
+        Widths stop at the job's rows, at the KV memory budget (the rows, or the pool's window where the engine can
+        speculate, at the job's longest row's full length, or the first row's where that is not known) and at the
+        first width that does not pay.
         """
         first = admission.peek()
         rows = admission.total if admission.total is not None else self.cfg.batch_size
@@ -328,10 +334,20 @@ class Engine:
             self.width_rates = {}
             self._set_width(widths[0] if widths else self.cfg.batch_size)
             return WidthChosen(self.batch_size, {}, "the job has no more rows than the narrowest width")
-        context = max(first.pad_to or 0, len(first.prompt_ids)) + first.max_new_tokens // 2
-        longest = max(first.pad_to or 0, len(first.prompt_ids)) + first.max_new_tokens + self.max_k + 1
+        context = (admission.typical or max(first.pad_to or 0, len(first.prompt_ids))) + first.max_new_tokens // 2
+        longest = ((admission.longest or max(first.pad_to or 0, len(first.prompt_ids))) + first.max_new_tokens
+                   + self.max_k + 1)
         budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0)) or None
         per_row = pool_window(1, None) if self.max_k else 1  # live rows per batch row once a pool fills
+        memory = self.cfg.width_memory
+        job = {"mode": self.cfg.mode, "k": self.max_k, "draft": self.has_draft, "widths": widths,
+               "context": 1 << max(0, context - 1).bit_length()}  # the context's power of two
+        remembered = memory.recall(job) if memory is not None else None
+        if remembered is not None and (budget is None or
+                                       remembered[0] * per_row * longest * kv_column_bytes(self.target.model) <= budget):
+            self.width_rates = remembered[1]
+            self._set_width(remembered[0])
+            return WidthChosen(self.batch_size, remembered[1], "measured before on this machine", remembered=True)
         rates, stopped = {}, "a wider batch did not pay"
         for width in widths:
             try:
@@ -352,6 +368,8 @@ class Engine:
                 break
         self.width_rates = rates
         self._set_width(choose_width(rates))
+        if memory is not None:
+            memory.remember(job, self.batch_size, rates)
         return WidthChosen(self.batch_size, rates, stopped)
 
     def _first_reservation(self, columns: int, limit: int) -> tuple[int, int]:

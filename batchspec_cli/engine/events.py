@@ -95,6 +95,7 @@ class WidthChosen:
     width: int  # the rows a step runs at most
     rates: dict[int, float]  # tokens per second of a plain step, by width (empty: nothing to measure)
     stopped: str  # why no wider width was measured
+    remembered: bool = False  # the width this machine measured before for the same model and job shape
 
 
 @dataclass

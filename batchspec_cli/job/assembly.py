@@ -16,12 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..config import AUTO, GenerateConfig
 from ..engine import constraints
 from ..engine import drafters
 from ..engine.core import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
 from ..engine.stops import StopStrings
 from ..models import loading as models
+from ..models import widths
 
 PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
 
@@ -108,8 +111,15 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     auto_width = cfg.batch_size == AUTO
+    memory = None
+    if auto_width:  # the same command runs at the same width on this machine (its rows the same in bfloat16 too)
+        model = target.model
+        memory = widths.WidthMemory(models.cache_dir() / widths.FILE_NAME, {
+            **widths.machine(str(model.device)), "target": str(model.config.name_or_path or cfg.target),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype),
+            "threads": torch.get_num_threads(), "kernels": cfg.kernels})
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=AUTO_WIDTHS[-1] if auto_width else cfg.batch_size,
-                         auto_width=auto_width, window=cfg.window,
+                         auto_width=auto_width, window=cfg.window, width_memory=memory,
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
     target_handle = ModelHandle(target.model, models.cache_kwarg(target.model))
     checker = StopStrings(tokenizer, cfg.stop)  # always: rows may bring their own stop strings

@@ -64,17 +64,29 @@ __all__ = ["BucketDone", "Generation", "Interrupted", "JobPlan", "Started", "wor
 
 class Counted:
     """An iterable of requests that knows how many it holds at most (the rows left to generate), so the engine's
-    policy can weigh a trial against the work ahead, and the longest padded prompt among them (``longest``), so
-    that the engine can reserve its KV buffers once."""
+    policy can weigh a trial against the work ahead; the longest padded prompt among them (``longest``), so that
+    the engine can reserve its KV buffers once; and the padded prompt length of its median row (``typical``), the
+    context at which ``--batch-size auto`` times its widths."""
 
-    def __init__(self, requests: Iterable[Request], count: int, longest: int | None = None):
-        self.requests, self.count, self.longest = requests, count, longest
+    def __init__(self, requests: Iterable[Request], count: int, longest: int | None = None,
+                 typical: int | None = None):
+        self.requests, self.count, self.longest, self.typical = requests, count, longest, typical
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.requests)
 
     def __len__(self) -> int:
         return self.count
+
+
+def median_padded(buckets) -> int | None:
+    """The padded prompt length (``hi``) of the job's median row: the buckets' lengths, weighted by their rows."""
+    half, seen = sum(b.rows for b in buckets) / 2, 0
+    for bucket in sorted(buckets, key=lambda b: b.hi):
+        seen += bucket.rows
+        if seen >= half:
+            return bucket.hi
+    return None
 
 
 @dataclass
@@ -256,8 +268,10 @@ class Generation:
                       resumed_rows=plan.resumed_rows, work_dir=str(self.work.path),
                       dtype=runs_on.dtype if runs_on else "", dtype_reason=runs_on.dtype_reason if runs_on else "")
         yield from plan.announce  # prompt errors: already recorded and saved
-        longest = max((b.hi for b in plan.manifest.buckets), default=None) if plan.manifest is not None else None
-        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done.rows, longest))
+        buckets = plan.manifest.buckets if plan.manifest is not None else []
+        longest = max((b.hi for b in buckets), default=None)
+        stream = (run or self.engine().run)(Counted(self.requests(), plan.total_rows - self.done.rows, longest,
+                                                    median_padded(buckets)))
         try:
             for event in stream:
                 if isinstance(event, RunsOn):  # a Ray block's, before its events: a new engine run

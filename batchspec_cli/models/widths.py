@@ -1,0 +1,82 @@
+"""The batch width ``--batch-size auto`` measured, remembered on this machine: the same command runs at the same
+width run after run, so that its rows are the same too (a bfloat16 row depends on its batch's layout: README).
+
+One JSON file in the tool's cache directory (``models.cache_dir()``), keyed by the machine, the model and the job's
+shape, written whole through a temporary file and a rename, never through a symlink. A cache only: a file that
+cannot be read or written costs a measurement, nothing else. Delete it to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+FILE_NAME = "widths.json"
+MAX_ENTRIES = 256  # the oldest are dropped beyond this
+
+
+def machine(device: str) -> dict:
+    """What makes one machine's timings another's: the processor (or GPU) and its cores."""
+    name = platform.processor() or platform.machine()
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+        except OSError:
+            pass
+    return {"device": device, "processor": name, "cores": os.cpu_count()}
+
+
+class WidthMemory:
+    """Widths measured before, by (the machine and model facts given here, the job's facts given at each call)."""
+
+    def __init__(self, path: Path, facts: dict):
+        self.path, self.facts = path, facts
+
+    def recall(self, job: dict) -> tuple[int, dict[int, float]] | None:
+        """(width, rates by width) measured before for this job's shape, or None."""
+        entry = self._read().get(self._key(job))
+        try:
+            return int(entry["width"]), {int(w): float(r) for w, r in entry["rates"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def remember(self, job: dict, width: int, rates: dict[int, float]) -> None:
+        entries = self._read()
+        key = self._key(job)
+        entries.pop(key, None)
+        entries[key] = {"width": width, "rates": {str(w): r for w, r in rates.items()}}
+        entries = dict(list(entries.items())[-MAX_ENTRIES:])
+        parent = self.path.parent
+        if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
+            return  # not a file this tool wrote
+        tmp = None
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=parent, prefix=".widths-", suffix=".tmp", delete=False,
+                                             encoding="utf-8") as f:
+                tmp = f.name
+                json.dump(entries, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+    def _key(self, job: dict) -> str:
+        return json.dumps({**self.facts, **job}, sort_keys=True)
+
+    def _read(self) -> dict:
+        if self.path.is_symlink() or not self.path.is_file():
+            return {}
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
