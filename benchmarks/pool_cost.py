@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import SPEC_BENCH, requests, spec_bench_prompts  # noqa: E402
 from batchspec_cli.engine import align, pool  # noqa: E402
+from batchspec_cli.engine import core as engine_module  # noqa: E402
 from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa: E402
 from batchspec_cli.engine.events import StepStats  # noqa: E402
 from batchspec_cli.io.prompts import render_prompt  # noqa: E402
@@ -82,6 +83,10 @@ def timed_run(target, eos, reqs, mode: str, batch: int, window: int | None = Non
             finally:
                 spent[_name] += time.perf_counter() - began
         setattr(owner, name, wrapper)
+    pools = []  # the run's slot pool (a run's state is its own), for its KV bytes after the run
+    real_pool = engine_module.SlotPool
+    engine_module.SlotPool = lambda *a, **kw: pools.append(real_pool(*a, **kw)) or pools[-1]
+    originals.append((engine_module, "SlotPool", real_pool))
     forward = target.model.forward
 
     def timed_forward(*a, **kw):
@@ -95,7 +100,6 @@ def timed_run(target, eos, reqs, mode: str, batch: int, window: int | None = Non
                                                     window=window))
     if variant == "window4":  # what the pool does with a drafter: every row of 4 batches admitted and prefilled
         engine.strategy = grouping.Pool(4 * batch, batch, engine.cfg.min_group, engine.cfg.trim)
-        engine.n_slots = engine.strategy.n_slots
     try:
         started, cpu = time.perf_counter(), time.process_time()
         tokens, steps, rounds = {}, 0, 0
@@ -110,18 +114,10 @@ def timed_run(target, eos, reqs, mode: str, batch: int, window: int | None = Non
         for owner, name, real in originals:
             setattr(owner, name, real)
         del target.model.forward
-    caches = [c for c in _caches(engine) if c is not None]
+    caches = [c for c in (pools[-1].table.target, pools[-1].table.draft) if c is not None]
     kv_bytes = sum(t.numel() * t.element_size() for c in caches for t in c.keys + c.values)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens, "rounds": rounds, "kv_bytes": kv_bytes,
             "resizes": counts["_resize"], **dict(spent)}
-
-
-def _caches(engine):
-    pool = getattr(engine, "pool", None)
-    if pool is not None:
-        table = getattr(pool, "table", pool)  # the slot table holds the caches since issue 36
-        return [table.target, table.draft]
-    return [engine.tcache, getattr(engine, "dcache", None)]
 
 
 def main() -> None:

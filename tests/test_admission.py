@@ -1,8 +1,9 @@
 """Admission (which requests enter the pool, and when they are read) and the round as a function of its group:
-invented requests with known answers, and one engine round checked for what it leaves on the engine."""
+invented requests with known answers, and one engine round checked for what it changes (the run's state only)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -60,20 +61,22 @@ def test_tokens_left_counts_rows_in_flight_and_rows_to_come_at_the_mean_limit():
     assert streamed.exhausted and streamed.tokens_left(5) == 5
 
 
-def test_a_round_returns_what_happened_and_writes_nothing_on_the_engine():
+def test_a_round_changes_the_run_it_is_handed_and_nothing_on_the_engine():
     target = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(copy.deepcopy(target), "cache"), [1],
                     EngineConfig(mode="exspec", k=3, batch_size=2, window=4))
-    run = engine.run(requests([0, 0, 0, 0], limit=6))
-    first = next(e for e in run if isinstance(e, StepStats) and e.group_kind != "prefill")
-    group = engine.strategy.select(engine.pool.view(), engine.max_group, engine.step_no)
-    before = {name: (value if isinstance(value, (int, float, str, type(None))) else id(value))
-              for name, value in vars(engine).items()}
-    with torch.no_grad():
-        outcome = engine._round(engine._prepare(group))
-    after = {name: (value if isinstance(value, (int, float, str, type(None))) else id(value))
-             for name, value in vars(engine).items()}
-    assert isinstance(outcome, RoundOutcome) and after == before  # the run, not the round, advances the step
-    assert outcome.stats.step == first.step + 1 == engine.step_no + 1 and outcome.stats.k == 3
-    assert outcome.stats.tokens_emitted == 2 * 4  # a draft equal to the target: k drafts and the bonus, two rows
-    run.close()
+    with contextlib.ExitStack() as models:
+        run = engine._start(Admission(requests([0, 0, 0, 0], limit=6), engine.batch_size), models)
+        events = engine._decode(run)
+        first = next(e for e in events if isinstance(e, StepStats) and e.group_kind != "prefill")
+        assert run.step == first.step
+        group = engine.strategy.select(run.pool.view(), run.max_group, run.step)
+        before = {name: (value if isinstance(value, (int, float, str, type(None))) else id(value))
+                  for name, value in vars(engine).items()}
+        outcome = engine._round(run, engine._prepare(run, group))
+        after = {name: (value if isinstance(value, (int, float, str, type(None))) else id(value))
+                 for name, value in vars(engine).items()}
+        assert isinstance(outcome, RoundOutcome) and after == before  # the run's state, not the engine's, changes
+        assert outcome.stats.step == first.step + 1 == run.step and outcome.stats.k == 3
+        assert outcome.stats.tokens_emitted == 2 * 4  # a draft equal to the target: k drafts and the bonus, two rows
+        events.close()

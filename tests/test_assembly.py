@@ -35,7 +35,7 @@ def test_auto_that_never_speculates_never_loads_the_draft(tmp_path, tiny_model_d
     plain, _, _ = run(tmp_path, "ar", tiny_model_dir, None, "ar")
     auto, job, steps = run(tmp_path, "auto", tiny_model_dir, tiny_draft_dir, "auto")
     assert job.assembly.draft is not None and job.assembly.draft.loaded is None
-    assert job.assembly.engine.draft is None and not any(s.k for s in steps if s.group_kind != "prefill")
+    assert job.assembly.engine.draft.loaded is None and not any(s.k for s in steps if s.group_kind != "prefill")
     eqspec, job, steps = run(tmp_path, "eqspec", tiny_model_dir, tiny_draft_dir, "eqspec")
     assert job.assembly.draft.loaded is not None and any(s.k for s in steps)
     assert auto == plain and eqspec == plain

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchspec_cli.engine import align, drafters
+from batchspec_cli.engine import core as engine_module
 from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
 from batchspec_cli.engine.events import Request, RowResult, StepStats
 from batchspec_cli.policy import control
@@ -37,7 +38,20 @@ def run(engine: Engine, prompts, max_new, pad_to=0, buckets=None):
     return results, stats
 
 
-def watch_growths(monkeypatch, engine_ref: list) -> list[tuple[int, int]]:
+@pytest.fixture
+def pools(monkeypatch) -> list:
+    """The slot pools the engine's runs make, the newest last (a run's state is the run's: the test keeps them)."""
+    made = []
+    real = engine_module.SlotPool
+
+    def recorded(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(engine_module, "SlotPool", recorded)
+    return made
+
+
+def watch_growths(monkeypatch, pools: list) -> list[tuple[int, int]]:
     """(slots copied, slots live) of every growth of a KV buffer that holds entries."""
     seen = []
     real = align.SlotCache._resize
@@ -45,18 +59,18 @@ def watch_growths(monkeypatch, engine_ref: list) -> list[tuple[int, int]]:
     def spy(cache, rows, capacity):
         before = cache.copied_rows
         real(cache, rows, capacity)
-        seen.append((cache.copied_rows - before, len(engine_ref[0].pool.table.live)))
+        seen.append((cache.copied_rows - before, len(pools[-1].table.live)))
     monkeypatch.setattr(align.SlotCache, "_resize", spy)
     return seen
 
 
-def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(target, monkeypatch):
+def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(target, monkeypatch, pools):
     """Rows that stay in step (k = 0, one bucket, no early stop): no realignment, no assembly, and buffer growths
     (a later, longer bucket) copy the live slots alone, never the whole window."""
     prompts = prompts_of(6, seed=1, lo=4, hi=9) + prompts_of(6, seed=2, lo=60, hi=70)
     buckets = [0] * 6 + [1] * 6
     engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=3, window=24))
-    growths = watch_growths(monkeypatch, [engine])
+    growths = watch_growths(monkeypatch, pools)
     results, stats = run(engine, prompts, 10, buckets=buckets)
     assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 10, []) for p in prompts]
     rounds = [s for s in stats if s.group_kind != "prefill"]
@@ -66,7 +80,7 @@ def test_the_pool_without_speculation_moves_no_kv_and_copies_only_live_slots(tar
     assert all(copied <= live for copied, live in growths), growths
 
 
-def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(target, monkeypatch):
+def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(target, monkeypatch, pools):
     """Requests that say how many they are and their longest padded prompt (``job.Counted``): the first admission
     reserves every slot the job fills at the longest length, so the longer bucket grows nothing; rows stay exact."""
     from batchspec_cli.job.generation import Counted
@@ -76,14 +90,14 @@ def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(targe
     requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=10, pad_to=9 if i < 6 else 70,
                         bucket=buckets[i]) for i, p in enumerate(prompts)]
     engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=12))
-    growths = watch_growths(monkeypatch, [engine])
+    growths = watch_growths(monkeypatch, pools)
     results = {e.row: e for e in engine.run(Counted(requests, len(requests), longest=70)) if isinstance(e, RowResult)}
     assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 10, []) for p in prompts]
-    cache = engine.pool.table.target
+    cache = pools[-1].table.target
     assert growths == [] and cache.rows == 12 and cache.capacity >= 70 + 10
 
 
-def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target):
+def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target, pools):
     """Two rows at batch 64 (a window of 256 slots) allocate KV for two slots, reserved for their whole length."""
     prompts = prompts_of(2, seed=3, lo=5, hi=8)
     sizes = {}
@@ -91,7 +105,7 @@ def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target):
         engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=batch))
         results, stats = run(engine, prompts, 20)
         assert [results[i].token_ids for i in range(2)] == [greedy_reference(target, p, 20, []) for p in prompts]
-        cache = engine.pool.table.target
+        cache = pools[-1].table.target
         sizes[batch] = sum(t.numel() for t in cache.keys + cache.values)
         assert cache.rows == 2 and cache.capacity >= max(map(len, prompts)) + 20
     assert sizes[64] == sizes[2]
@@ -184,7 +198,7 @@ class _PlainSteps(control.Goodput):
         return control.Choice(0)
 
 
-def test_auto_holds_one_batch_while_it_does_not_speculate(target):
+def test_auto_holds_one_batch_while_it_does_not_speculate(target, pools):
     """auto with a drafter keeps a window of 4 x batch for speculation to group, but while its PLAIN arm runs it
     admits one batch, as ar does: rows in step, no realignment of rows admitted apart, KV for one batch."""
     draft = perturbed_copy(target, scale=0.05, seed=1)
@@ -198,8 +212,8 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     results, stats = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
     assert all(s.k == 0 for s in stats if s.group_kind != "prefill")
-    assert engine.pool.table.target.rows <= 4, "slots beyond one batch were filled"
-    assert engine.pool.table.draft is None or not engine.pool.table.draft.keys, "the draft never ran, so no draft KV"
+    assert pools[-1].table.target.rows <= 4, "slots beyond one batch were filled"
+    assert pools[-1].table.draft is None or not pools[-1].table.draft.keys, "the draft never ran, so no draft KV"
     # A SPEC trial (PLAIN still the incumbent) speculates on the batch in flight; SPEC as the incumbent fills.
     policy = control.Auto(3)
     policy.arms = _SpecTrial()
@@ -208,7 +222,7 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
     results, stats = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
     assert all(s.trace.arm == control.SPEC for s in stats if s.group_kind != "prefill")  # (k is SPEC's own choice)
-    assert engine.pool.table.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
+    assert pools[-1].table.target.rows <= 4, "a SPEC trial filled slots beyond one batch"
     # SPEC as the incumbent fills the window while its rounds speculate, and holds one batch while its ruler picks
     # plain steps (the rows stay in step: extra rows would only grow the KV).
     for spec, fills in ((_Speculating(3), True), (_PlainSteps(3), False)):
@@ -219,16 +233,16 @@ def test_auto_holds_one_batch_while_it_does_not_speculate(target):
         results, stats = run(engine, prompts, 12)
         assert [results[i].token_ids for i in range(14)] == references
         assert all((s.k > 0) == fills for s in stats if s.group_kind != "prefill")
-        assert (engine.pool.table.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
+        assert (pools[-1].table.target.rows > 4) == fills, "SPEC fills the window only while it speculates"
     # A policy that speculates fills the window.
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [],
                     EngineConfig(mode="exspec", k=3, batch_size=4, window=16))
     results, _ = run(engine, prompts, 12)
     assert [results[i].token_ids for i in range(14)] == references
-    assert engine.pool.table.target.rows > 4
+    assert pools[-1].table.target.rows > 4
 
 
-def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
+def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target, pools):
     """auto in PLAIN holds one batch and keeps it full: rows of different lengths finish one by one, and each freed
     slot takes the next prompt before the next round. Every round until the last prompt is admitted runs the whole
     batch (waiting for a quarter of it to be free ran 7 of 8 rows for a tenth more rounds); outputs equal the
@@ -250,7 +264,7 @@ def test_a_plain_batch_refills_every_slot_as_soon_as_it_is_free(target):
     last_admission = max(i for i, s in enumerate(steps) if s.group_kind == "prefill")
     rounds = [s for s in steps[:last_admission] if s.group_kind != "prefill"]
     assert len(rounds) > 10 and all(s.batch_size == 8 for s in rounds), [s.batch_size for s in rounds]
-    assert engine.pool.table.target.rows <= 8
+    assert pools[-1].table.target.rows <= 8
 
 
 class _CountingSuffix(drafters.SuffixDrafter):

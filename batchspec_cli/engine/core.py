@@ -34,10 +34,13 @@ slot's geometry (pad, end, draft end, liveness) with its tokens and KV caches, a
 plans out (``SlotTable.move``); ``pool.SlotPool`` moves it and the rows' state as one unit.
 Without a drafter the pool holds one batch: rows that never speculate stay in step.
 
-One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), then
+The engine keeps what lives as long as it does: the models, the policy, the model-free drafters
+and the kept prefix. A run's state (its requests, slots, draft-model drafter, step counter and
+clock since the last round) is one ``RunState``, handed to every admission and round and changed
+there. One round: 0. prepare the group (``_prepare``: one rectangle, one slot range), then
 (``_round``) choose k, 1. draft, 2. verify in one target forward, 3. accept, 4. commit; then
 the policy observes the round's ``RoundReport``, and the round returns its ``RoundOutcome``
-(its ``StepStats`` and finished rows), which ``run`` yields. Which requests enter the pool,
+(its ``StepStats``, made from the report, and finished rows), which ``run`` yields. Which requests enter the pool,
 and when, is ``admission.Admission``'s; where they go and their prefill, ``_admit``'s (rows that share a prompt
 prefix take its KV from ``prefix.PrefixStore`` and prefill their own suffixes only). Exactly one host sync per
 round (the commit's ``tolist``); step timers are CUDA events on a GPU, read after it.
@@ -52,23 +55,24 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..config import DEFAULT, MODES
+from ..models.attention import for_run, group_forward, kv_column_bytes
+from ..models.widths import WidthMemory
+from ..policy.control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
+                              wider_pays)
+from ..policy.grouping import MovePlan, Pool, StaticBatch
 from . import drafters as drafting
 from . import sampling
 from .admission import Admission, error_row
-from .align import CacheFull, SlotCache, device_tensor, selection
-from ..models.attention import for_run, group_forward, kv_column_bytes
-from ..config import DEFAULT, MODES
+from .align import CacheFull, SlotCache, SlotTable, device_tensor, selection
 from .constraints import Guide
-from ..policy.control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
-                              wider_pays)
 from .drafters import ModelDrafter, Proposal, Rows
 from .events import NonFiniteLogits, PolicyTrace, Request, RowResult, StepStats, WidthChosen
-from ..policy.grouping import MovePlan, Pool, StaticBatch
 from .logprobs import Recorder, RoundLogprobs
 from .pool import SlotPool
 from .prefix import MAX_TOKENS, MIN_TOKENS, PrefixStore, share_groups
+from .slots import SlotState
 from .stops import StopChecker
-from ..models.widths import WidthMemory
 
 _RUNNING, _STOP, _LENGTH, _STOP_STRING, _BROKEN = 0, 1, 2, 3, 4  # _BROKEN: non-finite logits
 _REASONS = {_STOP: "stop", _LENGTH: "length", _STOP_STRING: "stop_string"}
@@ -173,7 +177,67 @@ class RoundOutcome:
 
     stats: StepStats
     finished: list[RowResult]
-    ended: float  # perf_counter at the round's end
+
+
+@dataclass
+class RunState:
+    """One run's state: handed to every admission and round, changed there, dropped when the run ends.
+
+    What lives as long as the engine (models, kernels, the policy, the model-free drafters, the kept prefix) is the
+    engine's; this is what one run (``Engine.run``) owns."""
+
+    admission: Admission  # the run's requests, read as free slots ask for them
+    pool: SlotPool  # the slots: their geometry (``table``) and the rows' state (``state``)
+    logprobs: Recorder  # the rows that asked for log-probabilities
+    models: contextlib.ExitStack  # the run's model settings (``for_run``), entered for the draft at its first use
+    max_group: int  # rows a step runs at most: the batch, halved on out-of-memory
+    since: SinceRound  # what happened since the last round (the policy's clock)
+    drafter: ModelDrafter | None = None  # the draft model's drafter on the run's draft cache, built at its first use
+    step: int = 0  # the last step's number (prefills included): ``next_step`` alone moves it
+
+    @property
+    def table(self) -> SlotTable:
+        return self.pool.table
+
+    @property
+    def state(self) -> SlotState:
+        return self.pool.state
+
+    def next_step(self) -> int:
+        """The number of a step that has happened (an admission's prefill, or a round that committed)."""
+        self.step += 1
+        return self.step
+
+
+class DraftModel:
+    """The engine's draft model: given loaded, or a function that loads it (``assembly.LazyDraft``), called at its
+    first use (``handle``); once loaded it stays for the engine's life."""
+
+    def __init__(self, draft: ModelHandle | Callable[[], ModelHandle]):
+        self.loaded: ModelHandle | None = None if callable(draft) else draft
+        self._load = draft if callable(draft) else None
+
+    def handle(self) -> ModelHandle:
+        if self.loaded is None:
+            self.loaded = self._load()
+        return self.loaded
+
+
+def step_stats(report: RoundReport, prepared: Prepared, step: int, kind: str, pad_after: int,
+               window: float | None) -> StepStats:
+    """A round's step statistics, from its ``RoundReport`` and what preparing its group did. ``kind``: the
+    grouping's label; ``pad_after``: the padding of the group's rows still live; ``window``: the rate of the
+    window the round closed (``Policy.observe``)."""
+    choice, realigned = report.choice, prepared.plan.realigns
+    return StepStats(
+        bucket=prepared.bucket, step=step, group_kind=kind, batch_size=report.group, k=choice.k,
+        accepted=report.accepted, tokens_emitted=report.tokens, pad_before=prepared.pad_before, pad_after=pad_after,
+        kv_moved=prepared.moved, kv_gathered=prepared.gathered, draft_ms=report.draft_s * 1e3,
+        verify_ms=report.verify_s * 1e3, realign_ms=(report.prepare_s if realigned else 0.0) * 1e3,
+        gather_ms=(0.0 if realigned else report.prepare_s) * 1e3, total_ms=report.total_s * 1e3,
+        drafter=drafting.label(report.drafters), drafted=sum(report.drafted),
+        trace=PolicyTrace(expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
+                          plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0))
 
 
 AUTO_WIDTHS = (8, 16, 32, 64, 128, 256)  # --batch-size auto measures these widths, narrowest first
@@ -221,9 +285,8 @@ class Engine:
         if cfg.mode not in MODES:
             raise ValueError(f"unknown mode {cfg.mode!r}")
         plain = cfg.mode == "ar"
-        self.draft = None if plain or callable(draft) else draft  # the draft model once loaded (``_drafter``)
-        self._load_draft = draft if callable(draft) and not plain else None
-        drafts = self.draft is not None or self._load_draft is not None
+        self.draft = None if plain or draft is None else DraftModel(draft)
+        drafts = self.draft is not None
         self.lookups = [] if plain else list(lookups or [])
         if cfg.mode in ("eqspec", "exspec") and not drafts and not self.lookups:
             raise ValueError(f"mode {cfg.mode} needs a drafter")
@@ -242,10 +305,7 @@ class Engine:
         for drafter in self.lookups:
             if hasattr(drafter, "bind"):
                 drafter.bind(self.guide)
-        self.step_no = 0
         self.has_draft = drafts and self.max_k > 0  # a draft model, loaded or not yet
-        self.model_drafter: ModelDrafter | None = None
-        self._models = contextlib.ExitStack()  # the run's model settings (for_run), entered for the draft when it loads
         # The policy and its measurements outlive a run (a distributed worker runs one per block).
         if policy is None:
             policy = Auto(self.max_k) if cfg.mode == "auto" and self.max_k else FixedK(self.max_k)
@@ -258,31 +318,34 @@ class Engine:
         """Decode every request; the models run the folded GQA attention and a contiguous output head
         (``attention.for_run``) for the run only.
         Requests with a length (a list, the job's rows) tell ``auto`` how much work is ahead. With
-        ``auto_width`` the first run measures the batch width first (``WidthChosen``)."""
+        ``auto_width`` the first run measures the batch width first (``WidthChosen``). The run's state is one
+        ``RunState``, handed to every admission and round."""
         admission = Admission(requests, self.batch_size)
-        with self._models:
-            self._models.enter_context(for_run(*(h.model for h in (self.target, self.draft) if h is not None)))
+        with contextlib.ExitStack() as models:
+            models.enter_context(for_run(*(h.model for h in self._loaded())))
             if self.cfg.auto_width and self.width_rates is None:
                 yield self._measure_width(admission)
             admission.batch_size = self.batch_size
-            self._reset(admission)
-            while True:
-                yield from self._admit_from()
-                if not self.table.live:
-                    if self.admission.exhausted:
-                        return
-                    continue
-                group = self.strategy.select(self.pool.view(), self.max_group, self.step_no)
-                try:
-                    prepared = self._prepare(group)
-                    group = prepared.plan.slots
-                    outcome = self._round(prepared)
-                except torch.OutOfMemoryError as exc:
-                    yield from self._out_of_memory(group, exc)
-                    continue
-                self.step_no, self.since = outcome.stats.step, SinceRound(outcome.ended)
-                yield outcome.stats
-                yield from outcome.finished
+            yield from self._decode(self._start(admission, models))
+
+    def _decode(self, run: RunState) -> Iterator[RowResult | StepStats]:
+        """Admit, choose a group, prepare it and run its round, until every request is done."""
+        while True:
+            yield from self._admit_from(run)
+            if not run.table.live:
+                if run.admission.exhausted:
+                    return
+                continue
+            group = self.strategy.select(run.pool.view(), run.max_group, run.step)
+            try:
+                prepared = self._prepare(run, group)
+                group = prepared.plan.slots
+                outcome = self._round(run, prepared)
+            except torch.OutOfMemoryError as exc:
+                yield from self._out_of_memory(run, group, exc)
+                continue
+            yield outcome.stats
+            yield from outcome.finished
 
     def preload(self, saved: Iterable[tuple[list[int], list[int] | None]]) -> None:
         """Teach the model-free drafters the rows an interrupted run of the job saved: (prompt, completion or
@@ -292,16 +355,12 @@ class Engine:
                 drafter.preload(prompt, completion)
 
     # ------------------------------------------------------------------ state
-    def _reset(self, admission: Admission) -> None:
-        self.admission = admission  # the run's requests, read as free slots ask for them
-        self.pool = SlotPool(self.n_slots, self.device, with_draft=self.has_draft)
-        self.table, self.state = self.pool.table, self.pool.state  # the slots' geometry; the rows' state
-        self.model_drafter = None  # the run's drafter, on the run's draft cache: built at its first use
-        self.step_no = 0
-        self.max_group = self.batch_size  # halved on out-of-memory
-        self.since = SinceRound(time.perf_counter())  # what happened since the last round (the policy's clock)
-        self.logprobs = Recorder(self.cfg.logprobs_mode, self.device)  # the rows that asked for log-probabilities
+    def _start(self, admission: Admission, models: contextlib.ExitStack) -> RunState:
+        """A run's fresh state: empty slots, nothing drafted, no step yet (the guide's matchers are the run's)."""
         self.guide.clear()
+        return RunState(admission, SlotPool(self.strategy.n_slots, self.device, with_draft=self.has_draft),
+                        Recorder(self.cfg.logprobs_mode, self.device), models, max_group=self.batch_size,
+                        since=SinceRound(time.perf_counter()))
 
     def _set_width(self, width: int) -> None:
         """The batch: at most ``width`` rows a step, and the slots that holds (a pool of ``window`` rows)."""
@@ -311,7 +370,6 @@ class Engine:
         window = pool_window(width, cfg.window) if self.max_k else width
         self.strategy = (Pool(window, width, cfg.min_group, cfg.trim)
                          if cfg.mode in ("exspec", "auto") else StaticBatch(width))
-        self.n_slots = self.strategy.n_slots
 
     # ------------------------------------------------------------------ the batch width (--batch-size auto)
     @torch.no_grad()
@@ -372,20 +430,25 @@ class Engine:
             memory.remember(job, self.batch_size, rates)
         return WidthChosen(self.batch_size, rates, stopped)
 
-    def _first_reservation(self, columns: int, limit: int) -> tuple[int, int]:
+    def _first_reservation(self, run: RunState, columns: int, limit: int) -> tuple[int, int]:
         """(columns, slots) to reserve at a run's first admission. When the job's longest padded prompt and its row
         count are known and the slots its rows will fill, at that length, fit the KV budget: exactly that (one
         allocation; no growth that copies every slot as longer buckets arrive). Else an eighth more columns than
         the first rows need (each bucket is at most about 10 % longer than the one before), slots as they come."""
-        longest, total = self.admission.longest, self.admission.total
+        longest, total = run.admission.longest, run.admission.total
         if longest is not None and total is not None:
             reach = max(columns, longest + limit + self.max_k + 1)
-            slots = min(self.n_slots, total)
+            slots = min(self.strategy.n_slots, total)
             budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0))
-            column = sum(kv_column_bytes(h.model) for h in (self.target, self.draft) if h is not None)
+            column = sum(kv_column_bytes(h.model) for h in self._loaded())
             if slots * reach * column <= budget:
                 return reach, slots
         return columns + columns // 8, 0
+
+    def _loaded(self) -> list[ModelHandle]:
+        """The target, and the draft model when it is loaded."""
+        draft = self.draft.loaded if self.draft is not None else None
+        return [self.target] + ([draft] if draft is not None else [])
 
     def _bare_step(self, width: int, context: int) -> tuple[float, int]:
         """(seconds, KV bytes per row and column) of a one-token target forward of ``width`` rows at ``context``."""
@@ -423,7 +486,7 @@ class Engine:
                                                                    self.context - len(req.prompt_ids))
 
     # ------------------------------------------------------------------ admission
-    def _admit_from(self) -> Iterator[RowResult | StepStats]:
+    def _admit_from(self, run: RunState) -> Iterator[RowResult | StepStats]:
         """Admit new prompts into free slots, in chunks of at most a batch.
 
         The pooled modes admit a whole batch at a time (admitted rows form one same-length
@@ -435,19 +498,19 @@ class Engine:
         one by one, and waiting for a quarter of the batch would run most rows for more rounds
         than ``ar`` (docs/history.md, "Figures once kept in the code").
         """
-        table = self.table
+        table = run.table
         free = table.free_slots()
         if not self.policy.wants_pool():  # plain steps only (auto's PLAIN arm): one batch in flight, kept full
             free = free[: max(0, self.batch_size - len(table.live))]
-        elif table.live and len(free) < min(self.strategy.admit_at, self.n_slots):
+        elif table.live and len(free) < min(self.strategy.admit_at, self.strategy.n_slots):
             return
-        for chunk in self.admission.chunks(free, lambda slot: not table.is_live(slot), self._check):
+        for chunk in run.admission.chunks(free, lambda slot: not table.is_live(slot), self._check):
             if isinstance(chunk, RowResult):  # a request that cannot run
                 yield chunk
             else:
-                yield from self._admit(*chunk)
+                yield from self._admit(run, *chunk)
 
-    def _admit(self, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
+    def _admit(self, run: RunState, chunk: list[Request], free: list[int]) -> Iterator[RowResult | StepStats]:
         """Place prompts in free slots, left-padded to one padded length, and prefill the caches."""
         started = time.perf_counter()
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
@@ -455,60 +518,62 @@ class Engine:
         limits = [self._limit(r) for r in chunk]
         columns = end + max(limits) + self.max_k + 1
         rows = 0
-        if not self.table.target.n_layers:  # the run's first rows: room for the next buckets
-            columns, rows = self._first_reservation(columns, max(limits))
+        table = run.table
+        if not table.target.n_layers:  # the run's first rows: room for the next buckets
+            columns, rows = self._first_reservation(run, columns, max(limits))
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)
-            self.pool.reserve(slots, columns, rows)
+            run.pool.reserve(slots, columns, rows)
         except torch.OutOfMemoryError:
             self._empty_cache()
             for req in chunk:
                 self.guide.finish(req.row)
                 yield error_row(req, "out of memory: no room for this row's KV cache")
             return
-        self.admission.admitted(limits)
+        run.admission.admitted(limits)
         keys = [sampling.row_key(r.sampling.seed, r.id, r.sample) for r in chunk]
-        self.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, self.step_no)
-        self.logprobs.admit(chunk)
+        run.pool.place(slots, chunk, end, keys, limits, self.cfg.pad_id, run.step)
+        run.logprobs.admit(chunk)
         for drafter in self.lookups:
             for req in chunk:
                 drafter.admit(req.row, req.prompt_ids)
 
         prefill_started = time.perf_counter()
-        donors = self._donors(slots)  # samples of an input row whose prompt KV another slot holds or will
+        donors = self._donors(run, slots)  # samples of an input row whose prompt KV another slot holds or will
         fresh = [s for s in slots if s not in donors]
-        starts, computed, reused = self._share_prefixes([r for s, r in zip(slots, chunk) if s not in donors], fresh)
-        errors = self._prefill(fresh, end, starts) if fresh else []
-        lost = [s for s, d in donors.items() if not self.table.is_live(d)]  # a donor that did not fit was freed
+        starts, computed, reused = self._share_prefixes(run, [r for s, r in zip(slots, chunk) if s not in donors],
+                                                        fresh)
+        errors = self._prefill(run, fresh, end, starts) if fresh else []
+        lost = [s for s, d in donors.items() if not table.is_live(d)]  # a donor that did not fit was freed
         if lost:
             donors = {s: d for s, d in donors.items() if s not in lost}
-            errors += self._prefill(lost, end, dict.fromkeys(lost, 0))
+            errors += self._prefill(run, lost, end, dict.fromkeys(lost, 0))
             fresh += lost
-        copied = self._share_prompts(donors, draft=False)
+        copied = self._share_prompts(run, donors, draft=False)
         self._sync()
-        self.since.admit_s += time.perf_counter() - prefill_started
+        run.since.admit_s += time.perf_counter() - prefill_started
         if self.has_draft and self.policy.wants_draft():
-            self._prefill_draft([s for s in fresh if self.table.is_live(s)], end)
-            copied += self._share_prompts(donors, draft=True)
-            lagging = [s for s in donors if self.table.is_live(s) and self.table.draft_end[s] < end - 2]
-            self._prefill_draft(lagging, end)
+            self._prefill_draft(run, [s for s in fresh if table.is_live(s)], end)
+            copied += self._share_prompts(run, donors, draft=True)
+            lagging = [s for s in donors if table.is_live(s) and table.draft_end[s] < end - 2]
+            self._prefill_draft(run, lagging, end)
         self._sync()
         ms = (time.perf_counter() - started) * 1e3
-        pads = sum(self.table.pad[s] for s in slots)
+        pads = sum(table.pad[s] for s in slots)
         prompt = {s: len(r.prompt_ids) for s, r in zip(slots, chunk)}
-        yield StepStats(bucket=chunk[0].bucket, step=self._next_step(), group_kind="prefill", batch_size=len(chunk),
+        yield StepStats(bucket=chunk[0].bucket, step=run.next_step(), group_kind="prefill", batch_size=len(chunk),
                         k=0, accepted=[], tokens_emitted=0, pad_before=pads, pad_after=pads, kv_moved=0,
                         kv_gathered=copied, draft_ms=0.0, verify_ms=ms, realign_ms=0.0, gather_ms=0.0, total_ms=ms,
                         prompt_prefilled=computed + sum(prompt[s] for s in fresh) - reused,
                         prompt_reused=reused + sum(prompt[s] for s in donors))
         yield from errors
 
-    def _donors(self, slots: list[int]) -> dict[int, int]:
+    def _donors(self, run: RunState, slots: list[int]) -> dict[int, int]:
         """The rows just placed in ``slots`` that need no prefill of their own (the ``--n`` samples of one input
         row): slot -> the slot whose KV of the same prompt they copy, a live row with the same id and prompt ids,
         or the first such row of ``slots`` (prefilled first)."""
-        rows, placed = self.state.rows, set(slots)
+        rows, placed = run.state.rows, set(slots)
         holders: dict[str, int] = {}
-        for s in self.table.live:
+        for s in run.table.live:
             if s not in placed:
                 holders.setdefault(rows[s].id, s)
         donors = {}
@@ -519,24 +584,26 @@ class Engine:
         return donors
 
     @torch.no_grad()
-    def _share_prompts(self, donors: dict[int, int], draft: bool) -> int:
+    def _share_prompts(self, run: RunState, donors: dict[int, int], draft: bool) -> int:
         """Copy the donors' prompt KV (``_donors``) into their samples' slots, the target's or the draft's
         (``SlotTable.share_prompt``); returns the KV entries copied."""
-        live = [(d, s) for s, d in donors.items() if self.table.is_live(s)]
-        return self.table.share_prompt(live, [len(self.state.rows[s].prompt_ids) for _, s in live], draft)
+        live = [(d, s) for s, d in donors.items() if run.table.is_live(s)]
+        return run.table.share_prompt(live, [len(run.state.rows[s].prompt_ids) for _, s in live], draft)
 
     @torch.no_grad()
-    def _drafter(self) -> ModelDrafter:
-        """The run's draft-model drafter on the run's draft cache; the model is loaded on first use (within a run:
-        it runs with ``for_run`` too)."""
-        if self.model_drafter is None:
-            if self.draft is None:
-                self.draft = self._load_draft()
-                self._models.enter_context(for_run(self.draft.model))
-            self.model_drafter = ModelDrafter(self.draft.model, self.draft.cache_kwarg, self.vocab, self.table.draft)
-        return self.model_drafter
+    def _drafter(self, run: RunState) -> ModelDrafter:
+        """The run's draft-model drafter on the run's draft cache, built at the run's first use of the draft; the
+        model is loaded then if it is not yet (and runs with ``for_run`` for the rest of the run too)."""
+        if run.drafter is None:
+            loaded = self.draft.loaded is not None
+            draft = self.draft.handle()
+            if not loaded:  # loaded now, mid-run (a loaded draft entered ``for_run`` with the target)
+                run.models.enter_context(for_run(draft.model))
+            run.drafter = ModelDrafter(draft.model, draft.cache_kwarg, self.vocab, run.table.draft)
+        return run.drafter
 
-    def _share_prefixes(self, chunk: list[Request], slots: list[int]) -> tuple[dict[int, int], int, int]:
+    def _share_prefixes(self, run: RunState, chunk: list[Request],
+                        slots: list[int]) -> tuple[dict[int, int], int, int]:
         """Give the admitted rows that share a prompt prefix its target KV (``prefix``), computed once.
 
         Returns (the column each slot's prefill starts at, the prefix columns computed now, the prompt tokens the
@@ -545,9 +612,9 @@ class Engine:
         starts = dict.fromkeys(slots, 0)
         if self.cfg.prefix_min <= 0:
             return starts, 0, 0
-        table, store, prompts = self.table, self.prefixes, [r.prompt_ids for r in chunk]
+        table, store, prompts = run.table, self.prefixes, [r.prompt_ids for r in chunk]
         computed, reused = 0, 0
-        ahead = self.admission.peek()  # the next row: a lone row's prefix is worth computing apart when it shares it
+        ahead = run.admission.peek()  # the next row: a lone row's prefix is worth computing apart when it shares it
         try:
             for group in share_groups(prompts, store.tokens, self.cfg.prefix_min, self.cfg.prefix_max,
                                       ahead=ahead.prompt_ids if ahead is not None else None):
@@ -567,7 +634,7 @@ class Engine:
             return dict.fromkeys(slots, 0), computed, 0
         return starts, computed, reused
 
-    def _prefill(self, slots: list[int], end: int, starts: dict[int, int]) -> list[RowResult]:
+    def _prefill(self, run: RunState, slots: list[int], end: int, starts: dict[int, int]) -> list[RowResult]:
         """Fill the target cache of new rows from their ``starts`` (the columns before them hold a shared prefix):
         one forward per start column; on out-of-memory, prefill the halves one after the other.
 
@@ -577,27 +644,27 @@ class Engine:
             for first, group in _by_start(slots, starts):  # each row's own columns, in forwards of a bounded size
                 for rows, start, stop in prefill_chunks(group, end - 1 - first, PREFILL_TOKENS):
                     rows_index = selection(rows, self.device)
-                    group_forward(self.target.model, self.table.target, self.target.cache_kwarg, rows_index,
-                                  self.table.layout.tokens[rows_index, first + start : first + stop],
-                                  self.table.pads(rows), first + start, logits_to_keep=1)
+                    group_forward(self.target.model, run.table.target, self.target.cache_kwarg, rows_index,
+                                  run.table.layout.tokens[rows_index, first + start : first + stop],
+                                  run.table.pads(rows), first + start, logits_to_keep=1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
             if len(slots) == 1:
-                return [self._end_row(slots[0], "error", "out of memory while prefilling this prompt alone")]
+                return [self._end_row(run, slots[0], "error", "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
-            return self._prefill(slots[:half], end, starts) + self._prefill(slots[half:], end, starts)
+            return self._prefill(run, slots[:half], end, starts) + self._prefill(run, slots[half:], end, starts)
 
-    def _share_draft(self, slots: list[int]) -> None:
+    def _share_draft(self, run: RunState, slots: list[int]) -> None:
         """Rows whose draft cache covers none of their prompt take the kept prefix's draft KV where their prompt
         starts with it (computed once, when first needed): at admission, or at the draft's first catch-up of rows
         admitted while no draft was wanted. Out of memory: nothing is shared (the store is dropped)."""
-        table, store, least = self.table, self.prefixes, self.cfg.prefix_min
+        table, store, least = run.table, self.prefixes, self.cfg.prefix_min
         if least <= 0 or len(store.tokens) < least:
             return
         members, lengths = [], []
         for s in slots:
-            prompt = self.state.rows[s].prompt_ids
+            prompt = run.state.rows[s].prompt_ids
             if table.draft_end[s] <= table.pad[s] and len(prompt) - 2 >= least:
                 n = min(store.match(prompt), len(prompt) - 2)
                 if n >= least:
@@ -605,42 +672,38 @@ class Engine:
                     lengths.append(n)
         if not members:
             return
-        self._drafter()  # the draft model, loaded on first use
+        drafter = self._drafter(run)  # the draft model, loaded on first use
         try:
-            store.cover("draft", self.draft.model, self.draft.cache_kwarg, max(lengths), self.device)
+            store.cover("draft", drafter.model, drafter.cache_kwarg, max(lengths), self.device)
             table.share_prefix(store.caches["draft"], True, members, lengths)
         except torch.OutOfMemoryError:
             self._empty_cache()
             store.clear()
 
     @torch.no_grad()
-    def _prefill_draft(self, slots: list[int], end: int) -> None:
+    def _prefill_draft(self, run: RunState, slots: list[int], end: int) -> None:
         """Fill the draft cache up to ``end - 2``; on out-of-memory leave it to the first round's catch-up."""
         if not slots or end - 2 <= 0:
             return
         started = time.perf_counter()
+        table = run.table
         try:
-            self._share_draft(slots)
-            table = self.table
+            self._share_draft(run, slots)
             # rows that got a shared prefix start together at the first column all of them lack; the others at 0
             shared = [s for s in slots if table.draft_end[s] > table.pad[s]]
             first = min((table.draft_end[s] for s in shared), default=0)
             for start, group in _by_start(slots, {s: first if s in shared else 0 for s in slots}):
                 if start < end - 2:
                     rows_index = selection(group, self.device)
-                    self._drafter().prefill(rows_index, table.layout.tokens[rows_index, start : end - 2],
-                                            table.pads(group), start)
+                    self._drafter(run).prefill(rows_index, table.layout.tokens[rows_index, start : end - 2],
+                                               table.pads(group), start)
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()
             return
         finally:
-            self.since.draft_prefill_s += time.perf_counter() - started
-        self.table.draft_prefilled(slots, end)
-
-    def _next_step(self) -> int:
-        self.step_no += 1
-        return self.step_no
+            run.since.draft_prefill_s += time.perf_counter() - started
+        table.draft_prefilled(slots, end)
 
     def _sync(self) -> None:
         """Outside rounds only (admission, calibration)."""
@@ -653,7 +716,7 @@ class Engine:
 
     # ------------------------------------------------------------------ calibration (auto)
     @torch.no_grad()
-    def _calibrate(self, slots: list[int], rows_index, pad: torch.Tensor, T: int) -> Calibration:
+    def _calibrate(self, run: RunState, slots: list[int], rows_index, pad: torch.Tensor, T: int) -> Calibration:
         """Bare forward timings for the policy's speculative options, when it first asks (``wants_seed``).
 
         The target's verify of 2 and K+1 tokens runs on the group's own cache and context: it
@@ -664,7 +727,7 @@ class Engine:
         option's first real round replaces its seed.
         """
         top = self.max_k + 1
-        layout = self.table.layout
+        layout = run.table.layout
         layout.grow(T + top)
 
         def timed(model, cache: SlotCache, kwarg: str, rows, tokens: torch.Tensor, row_pad, start: int) -> float:
@@ -675,14 +738,13 @@ class Engine:
             return time.perf_counter() - began
 
         last = layout.tokens[rows_index, T - 1 : T]  # [G, 1]
-        verify = {w: timed(self.target.model, self.table.target, self.target.cache_kwarg, rows_index, last.repeat(1, w), pad,
-                           T - 1) for w in sorted({2, top})}
+        verify = {w: timed(self.target.model, run.table.target, self.target.cache_kwarg, rows_index, last.repeat(1, w),
+                           pad, T - 1) for w in sorted({2, top})}
         for w in range(3, top):  # linear in between
             verify[w] = verify[2] + (verify[top] - verify[2]) * (w - 2) / (top - 2)
         draft = None
         if self.has_draft:
-            self._drafter()  # loads the draft model at its first calibration
-            handle = self.draft
+            handle = self._drafter(run)  # loads the draft model at its first calibration
             context, group = min(T, _CALIBRATION_CONTEXT), len(slots)
             # tokens: [G, > context + K+1]
             tokens = layout.tokens[rows_index, T - context : T].repeat(1, 2 + top // context)
@@ -695,7 +757,7 @@ class Engine:
                 draft[w] = draft[2] + (draft[top] - draft[2]) * (w - 2) / (top - 2)
         return Calibration(len(slots), T, verify, draft)
 
-    def _out_of_memory(self, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
+    def _out_of_memory(self, run: RunState, slots: list[int], exc: torch.OutOfMemoryError) -> Iterator[RowResult]:
         """A step ran out of memory: halve the group size and retry; a single row that still fails errors out.
 
         No rollback is needed: forwards write KV only past each row's committed length
@@ -705,50 +767,52 @@ class Engine:
         group cannot help: the group's longest row errors out instead.
         """
         self._empty_cache()
-        slots = [s for s in slots if self.table.is_live(s)]
+        slots = [s for s in slots if run.table.is_live(s)]
         if isinstance(exc, CacheFull):
-            longest = max(slots, key=self.table.content)
-            yield self._end_row(longest, "error", f"out of memory: {exc}")
+            longest = max(slots, key=run.table.content)
+            yield self._end_row(run, longest, "error", f"out of memory: {exc}")
             return
         if len(slots) > 1:
-            self.max_group = max(1, len(slots) // 2)
+            run.max_group = max(1, len(slots) // 2)
             return
-        yield self._end_row(slots[0], "error", "out of memory even for this row alone")
+        yield self._end_row(run, slots[0], "error", "out of memory even for this row alone")
 
     # ------------------------------------------------------------------ one round
-    def _prepare(self, slots: list[int]) -> Prepared:
+    def _prepare(self, run: RunState, slots: list[int]) -> Prepared:
         """0. Prepare: the selected group in one rectangle in one slot range (the round's clock starts here)."""
         started, clock = time.perf_counter(), Clock(self.device)
-        pad_before = sum(self.table.pad[s] for s in slots)
-        bucket = self.state.rows[slots[0]].bucket
+        pad_before = sum(run.table.pad[s] for s in slots)
+        bucket = run.state.rows[slots[0]].bucket
         clock.mark("prepare")
-        plan = self.strategy.plan(self.pool.view(), slots)
-        moved, gathered = self.pool.move(plan)  # KV entries copied to realign and to assemble
+        plan = self.strategy.plan(run.pool.view(), slots)
+        moved, gathered = run.pool.move(plan)  # KV entries copied to realign and to assemble
         clock.mark("prepared")
         return Prepared(plan, moved, gathered, pad_before, bucket, started, clock)
 
-    def _round(self, prepared: Prepared) -> RoundOutcome:
-        """One round over a prepared group: k, draft, verify, accept, commit; what happened, as a ``RoundOutcome``
-        (the round changes the rows, the pool and the policy's measurements, and nothing of the engine's own)."""
-        plan, clock, started, state, table = prepared.plan, prepared.clock, prepared.started, self.state, self.table
+    def _round(self, run: RunState, prepared: Prepared) -> RoundOutcome:
+        """One round over a prepared group: k, draft, verify, accept, commit; what happened, as a ``RoundOutcome``.
+
+        The round changes the run it is handed (its rows, its step, its clock since the last round) and the
+        policy's measurements, and nothing of the engine's own."""
+        plan, clock, started, state, table = prepared.plan, prepared.clock, prepared.started, run.state, run.table
         slots = plan.slots
         # 0. (prepared) The policy's k and the drafts' noise.
         T = table.end[slots[0]]
         rows_index = selection(slots, self.device)
         pad = table.pads(slots)  # [G]
         if self.policy.wants_seed():  # once, when speculation is first tried: not part of any round's own cost
-            self.policy.seed(self._calibrate(slots, rows_index, pad, T))
+            self.policy.seed(self._calibrate(run, slots, rows_index, pad, T))
             clock.mark("calibrated")
-        proposals = self._lookup_proposals(slots, self.policy.proposing(tuple(d.name for d in self.lookups)))
-        choice = self._choose(slots, proposals)
+        proposals = self._lookup_proposals(run, slots, self.policy.proposing(tuple(d.name for d in self.lookups)))
+        choice = self._choose(run, slots, proposals)
         k = choice.k
-        noise = self._noise(slots, rows_index, k)
+        noise = self._noise(run, slots, rows_index, k)
         table.layout.grow(T + k + 2)
         with torch.no_grad():
             # 1. Draft: up to k tokens per row (the draft model first catches up on what it has not seen).
             clock.mark("draft")
-            draft, drafters = self._draft(slots, rows_index, pad, T, choice, proposals, noise)
-            masks = self._constrain(slots, draft, k)  # cuts the drafts the grammars refuse; None: no row constrained
+            draft, drafters = self._draft(run, slots, rows_index, pad, T, choice, proposals, noise)
+            masks = self._constrain(run, slots, draft, k)  # cuts the drafts grammars refuse; None: no row constrained
             # 2. Verify: one target forward over [last committed, d_1..d_k].
             clock.mark("verify")
             inputs = table.layout.tokens[rows_index, T - 1 : T]
@@ -758,11 +822,11 @@ class Engine:
                                    pad, T - 1)
             # 3. Accept: the longest prefix of drafts equal to the target's own tokens, plus its next token.
             masked = logits if masks is None else logits.masked_fill(~masks, float("-inf"))  # [G, k+1, V]
-            target_tokens = self._choose_tokens(masked, rows_index, noise, 0)  # [G, k+1]
-            logprobs = self.logprobs.device_values([state.rows[s] for s in slots],
-                                                   masked if self.cfg.logprobs_mode == "processed" else logits,
-                                                   target_tokens, state.temperature[rows_index],
-                                                   state.top_k[rows_index], state.top_p[rows_index])
+            target_tokens = self._choose_tokens(run, masked, rows_index, noise, 0)  # [G, k+1]
+            logprobs = run.logprobs.device_values([state.rows[s] for s in slots],
+                                                  masked if self.cfg.logprobs_mode == "processed" else logits,
+                                                  target_tokens, state.temperature[rows_index],
+                                                  state.top_k[rows_index], state.top_p[rows_index])
             if k:
                 lengths = None if choice.source == "model" and masks is None \
                     else device_tensor(draft.lengths, self.device)
@@ -772,43 +836,30 @@ class Engine:
             clock.mark("accepted")
             # 4. Commit: write the block, apply stops, advance the rows.
             finite = torch.isfinite(logits.amax(-1)).all(-1)  # [G] no NaN, no +inf, not all -inf
-            committed = self._commit(rows_index, T, k, draft, n_acc, nxt, finite, logprobs)  # the round's one sync
+            committed = self._commit(run, slots, rows_index, T, k, draft, n_acc, nxt, finite,
+                                     logprobs)  # the round's one sync
+        step = run.next_step()  # the round has committed (or is broken, which ends the run)
         if _BROKEN in committed.codes:
             broken = [state.rows[s].id for s, code in zip(slots, committed.codes) if code == _BROKEN]
             raise NonFiniteLogits(f"the target model gave non-finite logits (NaN or inf) for row {broken[0]!r}"
                                   f"{f' and {len(broken) - 1} more' if len(broken) > 1 else ''} at step "
-                                  f"{self.step_no + 1} ({self.target.model.dtype}); nothing of that round was kept")
+                                  f"{step} ({self.target.model.dtype}); nothing of that round was kept")
         rows = [state.rows[s].row for s in slots]
-        committed, results = self._bookkeep(slots, draft, committed)
+        committed, results = self._bookkeep(run, slots, draft, committed)
         ended = time.perf_counter()
         prepare_s = clock.seconds("prepare", "prepared")
         calibrate_s = clock.seconds("prepared", "calibrated")
         report = RoundReport(
             choice=choice, context=T, rows=rows, drafted=draft.lengths, drafters=drafters,
             accepted=committed.kept, emitted=committed.emitted, finished=[r.row for r in results], fed=draft.fed,
-            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s,
-            elapsed_s=ended - self.since.ended, draft_prefill_s=self.since.draft_prefill_s,
-            admit_s=self.since.admit_s, tokens_left=self._tokens_left(), draft_s=clock.seconds("draft", "verify"),
-            verify_s=clock.seconds("verify", "accepted"))
+            seconds=ended - started - prepare_s - calibrate_s, prepare_s=prepare_s, calibrate_s=calibrate_s,
+            elapsed_s=ended - run.since.ended, draft_prefill_s=run.since.draft_prefill_s,
+            admit_s=run.since.admit_s, tokens_left=run.admission.tokens_left(sum(state.tokens_left(table.live))),
+            draft_s=clock.seconds("draft", "verify"), verify_s=clock.seconds("verify", "accepted"))
+        run.since = SinceRound(ended)
         window = self.policy.observe(report)
-        live_in_group = [s for s in slots if table.is_live(s)]
-        stats = StepStats(
-            bucket=prepared.bucket, step=self.step_no + 1, group_kind=self._kind(plan), batch_size=len(slots), k=k,
-            accepted=committed.kept, tokens_emitted=report.tokens, pad_before=prepared.pad_before,
-            pad_after=sum(table.pad[s] for s in live_in_group), kv_moved=prepared.moved,
-            kv_gathered=prepared.gathered,
-            draft_ms=report.draft_s * 1e3, verify_ms=report.verify_s * 1e3,
-            realign_ms=(prepare_s if plan.realigns else 0.0) * 1e3,
-            gather_ms=(0.0 if plan.realigns else prepare_s) * 1e3,
-            total_ms=(ended - started) * 1e3, drafter=draft.source, drafted=sum(draft.lengths),
-            trace=PolicyTrace(expected_tokens=choice.expected_tokens, expected_ms=choice.expected_s * 1e3,
-                              plain_ms=choice.plain_s * 1e3, arm=choice.arm, window_tokens_per_s=window or 0.0))
-        return RoundOutcome(stats, results, ended)
-
-    def _tokens_left(self) -> int | None:
-        """The most tokens the job has left (``Admission.tokens_left``), the rows in flight's included."""
-        state = self.state
-        return self.admission.tokens_left(sum(state.limit[s] - len(state.ids[s]) for s in self.table.live))
+        pad_after = sum(table.pad[s] for s in slots if table.is_live(s))
+        return RoundOutcome(step_stats(report, prepared, step, self._kind(plan), pad_after, window), results)
 
     def _kind(self, plan: MovePlan) -> str:
         """The step's label, from the grouping decision (``kv_moved`` is counted apart, from what was copied)."""
@@ -816,13 +867,13 @@ class Engine:
             return "ar"
         return "realigned" if plan.realigns else "same_length"
 
-    def _lookup_proposals(self, slots: list[int], names: tuple[str, ...]) -> dict[str, Proposal]:
+    def _lookup_proposals(self, run: RunState, slots: list[int], names: tuple[str, ...]) -> dict[str, Proposal]:
         """The named model-free drafters' proposals for the group (K columns), cut where a row's limit is reached."""
         if not names or not self.max_k:
             return {}
-        state = self.state
+        state = run.state
         rows = Rows([state.rows[s].row for s in slots])
-        room = [max(0, min(self.max_k, state.limit[s] - len(state.ids[s]) - 1)) for s in slots]
+        room = [max(0, min(self.max_k, left - 1)) for left in state.tokens_left(slots)]  # the target's token: 1
         proposals = {}
         for drafter in (d for d in self.lookups if d.name in names):  # no draft past the end
             proposal = drafter.propose(rows, self.max_k)
@@ -831,57 +882,59 @@ class Engine:
         drafting.continue_forced(proposals)  # a grammar's forced run, continued where another drafter agrees
         return proposals
 
-    def _choose(self, slots: list[int], proposals: dict[str, Proposal]) -> Choice:
+    def _choose(self, run: RunState, slots: list[int], proposals: dict[str, Proposal]) -> Choice:
         """The policy's k for this round and who drafts: "model", "lookup" (the model-free drafters) or ""."""
-        state = self.state
+        state, table = run.state, run.table
         rows = [state.rows[s].row for s in slots]
-        remaining = sum(state.limit[s] - len(state.ids[s]) for s in slots) / len(slots)
+        remaining = sum(state.tokens_left(slots)) / len(slots)
         sources = {name: Offer(p.lengths) for name, p in proposals.items() if any(p.lengths)}
         if self.has_draft and not all(row in self.guide.matchers for row in rows):  # see _constrain
-            sources["model"] = Offer(None, self.table.end[slots[0]] - self.table.draft_reach(slots))
-        choice = self.policy.choose(Group(rows, self.table.end[slots[0]], remaining), sources)
+            sources["model"] = Offer(None, table.end[slots[0]] - table.draft_reach(slots))
+        choice = self.policy.choose(Group(rows, table.end[slots[0]], remaining), sources)
         if not choice.k:
             choice.source = ""
         return choice
 
-    def _noise(self, slots: list[int], rows_index, k: int):
+    def _noise(self, run: RunState, slots: list[int], rows_index, k: int):
         """(noise seeds [G, k+1], sampled flags, filter flags) for the round's positions; None when all greedy."""
-        rows = [self.state.rows[s] for s in slots]
+        state = run.state
+        rows = [state.rows[s] for s in slots]
         sampled = [not r.sampling.greedy for r in rows]
         if not any(sampled):
             return None
         filters = (any(r.sampling.top_k > 0 for r in rows if not r.sampling.greedy),
                    any(r.sampling.top_p < 1.0 for r in rows if not r.sampling.greedy))
-        positions = self.state.gen[rows_index][:, None] + torch.arange(k + 1, device=self.device)[None, :]
-        return sampling.noise_base(self.state.keys[rows_index], positions), sampled, filters
+        positions = state.gen[rows_index][:, None] + torch.arange(k + 1, device=self.device)[None, :]
+        return sampling.noise_base(state.keys[rows_index], positions), sampled, filters
 
-    def _choose_tokens(self, logits: torch.Tensor, rows_index, noise, first: int) -> torch.Tensor:
+    def _choose_tokens(self, run: RunState, logits: torch.Tensor, rows_index, noise, first: int) -> torch.Tensor:
         """Coupled tokens for logits [G, n, V] at the round's positions first..first+n-1: [G, n]."""
         logits = sampling.up_cast(logits)
         if noise is None:
             return logits.argmax(-1)
         base, sampled, filters = noise
-        state = self.state
+        state = run.state
         return sampling.gumbel_tokens(logits, state.temperature[rows_index], state.top_k[rows_index],
                                       state.top_p[rows_index], base[:, first : first + logits.shape[1]], sampled,
                                       filters)
 
-    def _draft(self, slots, rows_index, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
+    def _draft(self, run: RunState, slots, rows_index, pad, T: int, choice: Choice, proposals: dict[str, Proposal],
                noise) -> tuple[Proposal, list[str]]:
         """The round's drafts and [G] who drafted each row ("" none)."""
         k = choice.k
         if not k:
             return Proposal(None, [0] * len(slots), ""), [""] * len(slots)
         if choice.source == "model":
-            self._share_draft(slots)  # rows admitted while no draft was wanted: their shared prefix, not a catch-up
-            rows = Rows([self.state.rows[s].row for s in slots], rows_index, self.table.layout.tokens[rows_index, :T],
-                        pad, self.table.draft_reach(slots),
-                        lambda logits, j: self._choose_tokens(logits, rows_index, noise, j))
-            return self._drafter().propose(rows, k), ["model"] * len(slots)
+            self._share_draft(run, slots)  # rows admitted while no draft was wanted: their shared prefix, no catch-up
+            table = run.table
+            rows = Rows([run.state.rows[s].row for s in slots], rows_index, table.layout.tokens[rows_index, :T],
+                        pad, table.draft_reach(slots),
+                        lambda logits, j: self._choose_tokens(run, logits, rows_index, noise, j))
+            return self._drafter(run).propose(rows, k), ["model"] * len(slots)
         merged = drafting.merge(proposals, choice.drafters, k, self.device)
         return merged, [name if n else "" for name, n in zip(choice.drafters, merged.lengths)]
 
-    def _constrain(self, slots: list[int], draft: Proposal, k: int) -> torch.Tensor | None:
+    def _constrain(self, run: RunState, slots: list[int], draft: Proposal, k: int) -> torch.Tensor | None:
         """The constrained rows' masks [G, k+1, V] (bool, on the device) for the verify positions; None when no
         row of the group is constrained (no cost). Drafts are cut at the first token a row's grammar refuses
         (``draft.lengths``), and the masks are those of the row's committed prefix plus its drafts before each
@@ -893,7 +946,7 @@ class Engine:
         on constrained jobs its drafts were chosen and accepted rarely, docs/history.md)."""
         if not self.guide.matchers:  # no constrained row in flight: nothing to do
             return None
-        rows = [self.state.rows[s].row for s in slots]
+        rows = [run.state.rows[s].row for s in slots]
         if not self.guide.any(rows):
             return None
         if not k:
@@ -905,8 +958,9 @@ class Engine:
         draft.lengths, masks = self.guide.walk(rows, drafts, self.eos_set, k + 1)
         return masks.to(self.device, non_blocking=True)
 
-    def _commit(self, rows_index, T: int, k: int, draft: Proposal, n_acc: torch.Tensor, nxt: torch.Tensor,
-                finite: torch.Tensor, logprobs: torch.Tensor | None = None) -> Committed:
+    def _commit(self, run: RunState, slots: list[int], rows_index, T: int, k: int, draft: Proposal,
+                n_acc: torch.Tensor, nxt: torch.Tensor, finite: torch.Tensor,
+                logprobs: torch.Tensor | None = None) -> Committed:
         """Write the round's block and advance the rows; returns what each row committed, on the host.
 
         finite: [G] whether the row's logits were all usable; if any row's were not, nothing is
@@ -923,7 +977,7 @@ class Engine:
         cols = torch.arange(k + 1, device=self.device)[None, :]
         is_eos = torch.isin(block, self.eos) & (cols <= n_acc[:, None])
         first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(n_acc, k + 1))
-        remaining = self.state.max_new[rows_index] - self.state.gen[rows_index]
+        remaining = device_tensor(run.state.tokens_left(slots), self.device)  # [G]
         emitted = torch.minimum(torch.minimum(n_acc + 1, first_eos + 1), remaining)  # [G]
         kept = torch.minimum(n_acc, emitted)
         code = torch.where(first_eos + 1 <= emitted, _STOP, torch.where(emitted >= remaining, _LENGTH, _RUNNING))
@@ -932,21 +986,21 @@ class Engine:
         on_host = torch.cat([torch.stack([emitted, kept, code], 1), block, *extra], 1).tolist()  # [G, 3 + k+1 + n]
         if any(r[2] == _BROKEN for r in on_host):
             return Committed([], [], [r[2] for r in on_host], [])
-        self.table.layout.tokens[rows_index, T : T + k + 1] = block
-        self.state.gen[rows_index] += emitted
+        run.table.layout.tokens[rows_index, T : T + k + 1] = block
+        run.state.gen[rows_index] += emitted
         columns = (list(column) for column in zip(*((r[0], r[1], r[2], r[3 : 4 + k]) for r in on_host)))
         return Committed(*columns, Recorder.unpack(on_host, 4 + k, k + 1))
 
-    def _bookkeep(self, slots: list[int], draft: Proposal,
+    def _bookkeep(self, run: RunState, slots: list[int], draft: Proposal,
                   committed: Committed) -> tuple[Committed, list[RowResult]]:
-        """Host side of the commit: mirrors, completions, stop strings, finished rows.
+        """Host side of the commit: mirrors, completions, stop strings, finished rows (at the run's step).
 
         Returns what the rows committed after stop-string cuts, and the rows that finished."""
-        state, finished = self.state, []
+        state, finished = run.state, []
         emitted, kept, codes = list(committed.emitted), list(committed.kept), list(committed.codes)
         for i, slot in enumerate(slots):
             block = committed.blocks[i]
-            self.pool.commit(slot, emitted[i], draft.source == "model", self.step_no + 1)
+            run.pool.commit(slot, emitted[i], draft.source == "model", run.step)
             row = state.rows[slot].row
             ids = state.ids[slot]
             ids.extend(block[: emitted[i]])
@@ -960,26 +1014,26 @@ class Engine:
                     kept[i] = min(kept[i], emitted[i])
                     del ids[cut:]
                     codes[i] = _STOP_STRING
-            self.logprobs.record(row, committed.logprobs, i, block[: emitted[i]])
+            run.logprobs.record(row, committed.logprobs, i, block[: emitted[i]])
             state.drafted[slot] += draft.lengths[i]
             state.accepted[slot] += kept[i]
             state.rounds[slot] += 1
             if codes[i] != _RUNNING:
-                finished.append(self._end_row(slot, _REASONS[codes[i]]))
+                finished.append(self._end_row(run, slot, _REASONS[codes[i]]))
         return Committed(emitted, kept, codes, committed.blocks, committed.logprobs), finished
 
-    def _end_row(self, slot: int, reason: str, error: str | None = None) -> RowResult:
+    def _end_row(self, run: RunState, slot: int, reason: str, error: str | None = None) -> RowResult:
         """A row leaves the pool, finished (``reason``) or as an error row (``"error"``: no tokens kept)."""
-        state = self.state
+        state = run.state
         req = state.rows[slot]
         if error is None:
             result = RowResult(req.row, req.id, list(state.ids[slot]), reason, drafted_tokens=state.drafted[slot],
                                accepted_tokens=state.accepted[slot], rounds=state.rounds[slot],
-                               prompt_tokens=len(req.prompt_ids), logprobs=self.logprobs.pop(req.row))
+                               prompt_tokens=len(req.prompt_ids), logprobs=run.logprobs.pop(req.row))
         else:
-            self.logprobs.pop(req.row)
+            run.logprobs.pop(req.row)
             result = error_row(req, error)
-        self.pool.free(slot)
+        run.pool.free(slot)
         self.guide.finish(req.row)
         for drafter in self.lookups:
             drafter.finish(req.row, result.token_ids)

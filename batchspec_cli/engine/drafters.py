@@ -237,6 +237,10 @@ def merge(proposals: dict[str, Proposal], drafters: list[str], k: int, device: t
     which = torch.tensor([names.index(d) if d else 0 for d in drafters])
     tokens = stacked[which, torch.arange(len(drafters))]  # [G, k] on the host, as the drafters made them
     lengths = [min(k, proposals[d].lengths[i]) if d else 0 for i, d in enumerate(drafters)]
-    label = ",".join(sorted({d for d, n in zip(drafters, lengths) if n}))
     host = [row[:n] for row, n in zip(tokens.tolist(), lengths)]  # for the grammar walk: no read from the device
-    return Proposal(tokens.to(device), lengths, label, host=host)
+    return Proposal(tokens.to(device), lengths, label([d if n else "" for d, n in zip(drafters, lengths)]), host=host)
+
+
+def label(drafters: list[str]) -> str:
+    """Who drafted a round, from [G] who drafted each row ("" none): their names, sorted and joined ("" none)."""
+    return ",".join(sorted({d for d in drafters if d}))

@@ -1,7 +1,7 @@
 """Per-slot row state of the engine's pool, as one object that moves as a unit.
 
 A *slot* holds one in-flight row. What the round's tensors need lives on the device as
-``[slots]`` tensors (completion position, limit, noise key, sampling settings); everything
+``[slots]`` tensors (completion position, noise key, sampling settings); everything
 the host decides with lives in host lists, updated at the round's one sync (the request, its
 limit, when it last ran, its committed completion ids and counters). A slot's geometry
 (padded length, padding, draft reach, whether a row lives there) is not here: it is
@@ -12,19 +12,19 @@ once, so a realignment or a group's assembly can never leave one field behind.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Iterable
 
 import torch
 
 from .events import Request
 
-DEVICE_FIELDS = ("gen", "max_new", "keys", "temperature", "top_k", "top_p")
+DEVICE_FIELDS = ("gen", "keys", "temperature", "top_k", "top_p")
 
 
 @dataclass
 class SlotState:
     # device, [slots]
     gen: torch.Tensor  # [slots] int64 completion tokens committed
-    max_new: torch.Tensor  # [slots] int64 completion limit (the device's copy of ``limit``)
     keys: torch.Tensor  # [slots] int64 row key of the Gumbel noise
     temperature: torch.Tensor  # [slots] float64 (0: greedy)
     top_k: torch.Tensor  # [slots] int64 (0: off)
@@ -43,7 +43,7 @@ class SlotState:
         zeros = torch.zeros(n, dtype=torch.long, device=device)
         host_lists = {f.name: [None if f.name in ("rows", "ids") else 0] * n for f in fields(cls)
                 if f.name not in DEVICE_FIELDS}
-        return cls(gen=zeros, max_new=zeros.clone(), keys=zeros.clone(),
+        return cls(gen=zeros, keys=zeros.clone(),
                    temperature=torch.zeros(n, dtype=torch.float64, device=device), top_k=zeros.clone(),
                    top_p=torch.ones(n, dtype=torch.float64, device=device), **host_lists)
 
@@ -52,7 +52,6 @@ class SlotState:
         """Start rows in free slots at ``step``."""
         idx = torch.tensor(slots, dtype=torch.long, device=device)
         self.gen[idx] = 0
-        self.max_new[idx] = torch.tensor(limits, device=device)
         self.keys[idx] = torch.tensor(keys, device=device)
         self.temperature[idx] = torch.tensor([r.sampling.temperature for r in requests], dtype=torch.float64,
                                              device=device)
@@ -62,6 +61,10 @@ class SlotState:
             self.rows[s], self.limit[s], self.last_run[s] = req, limit, step
             self.ids[s] = []
             self.drafted[s] = self.accepted[s] = self.rounds[s] = 0
+
+    def tokens_left(self, slots: Iterable[int]) -> list[int]:
+        """[len(slots)] completion tokens each row may still commit: its limit less what it has committed."""
+        return [self.limit[s] - len(self.ids[s]) for s in slots]
 
     def clear(self, slot: int) -> None:
         self.rows[slot], self.ids[slot] = None, None

@@ -38,21 +38,20 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..store.buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
-
+from ..config import GenerateConfig, UsageError, os_error_message, validate
 from ..engine import constraints
+from ..engine.core import Engine
+from ..engine.events import Request, RowResult, Sampling, StepStats
+from ..engine.prefix import neighbours
+from ..errors import InputError
+from ..io.row_settings import row_value
 from ..models import loading as models
+from ..store.buckets import PROMPT_IDS_COLUMN, ROW_COLUMN, BucketError, iter_bucket_rows
+from ..store.checkpoint import CheckpointError, LockHeld, WorkDir
 from .assembly import Assembly, RunsOn, assemble
 from .bucket_progress import BucketDone, BucketProgress
-from ..store.checkpoint import CheckpointError, LockHeld, WorkDir
-from ..config import GenerateConfig, UsageError, os_error_message, validate
 from .done import Done
-from ..engine.core import Engine
-from ..errors import InputError
-from ..engine.events import Request, RowResult, Sampling, StepStats
 from .plan import JobPlan, plan_job, start_job
-from ..engine.prefix import neighbours
-from ..io.row_settings import row_value
 from .writer import Writer
 
 Executor = Callable[[Iterable[Request]], Iterator[object]]

@@ -133,10 +133,16 @@ class RoundReport:
     tokens_left: int | None = None  # the most tokens the job has left (rows in flight and to come); None: unknown
     draft_s: float = 0.0
     verify_s: float = 0.0
+    calibrate_s: float = 0.0  # bare forward timings before the choice (``seed``): in no option's cost
 
     @property
     def group(self) -> int:
         return len(self.rows)
+
+    @property
+    def total_s(self) -> float:
+        """The whole round: preparing the group, calibrating (once), and the round's own clock."""
+        return self.prepare_s + self.calibrate_s + self.seconds
 
     @property
     def tokens(self) -> int:
