@@ -2,7 +2,7 @@
 (fingerprint, output metadata, its flag), and their validation (the per-row overrides read from input columns are
 row_settings.row_overrides).
 
-Nothing here loads a model or touches a file but the input table it is given: `job.Generation`
+Nothing here loads a model or touches a file but the input table it is given: `generation.Generation`
 turns a validated config into a run.
 """
 

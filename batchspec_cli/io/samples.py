@@ -9,7 +9,7 @@ input row. With one n for every row (``--n``) ``first(i) = i * n`` is arithmetic
 
 Sample ``j`` of a row is keyed by (seed, id, j) (``sampling.row_key``): sample 0 is the row ``--n 1``
 writes. A greedy row's samples are all equal: the job decodes it once and writes it ``n`` times
-(``job.Generation``).
+(``generation.Generation``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The composition root: where a job's models load and its engine is built, in the process that runs it.
 
 ``assemble(cfg, mode, draft_spec, lookup_names)`` loads the target, applies ``--kernels``,
-reads the EOS ids and builds the ``Engine``; ``job.Generation`` (a single process) and
+reads the EOS ids and builds the ``Engine``; ``generation.Generation`` (a single process) and
 ``distributed.Worker`` (each Ray worker) call it and nothing else builds an engine for a job;
 the plan of a job (``plan.plan_job``) reads no weights, so a Ray driver loads no model. The draft model is named and
 vetted here (``models.check_draft``: a draft that does not fit the target is refused before

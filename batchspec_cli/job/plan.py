@@ -11,7 +11,7 @@ directory (``JobPlan.passthrough``): a prompts file's rows went there as they we
 chunk at a time; an open job holds the ids (one Arrow array), not the input.
 
 A plan holds settings and facts, never a model or an engine: whoever runs the engine builds it
-(``assembly.assemble``: ``job.Generation`` in a single process, each ``distributed.Worker`` under
+(``assembly.assemble``: ``generation.Generation`` in a single process, each ``distributed.Worker`` under
 Ray), so a Ray driver reads, buckets and routes rows without loading a model. ``start_job``
 then makes the job resumable, once its engine (if this process runs one) is built.
 """

@@ -569,7 +569,7 @@ def save_shared_draft(draft: PreTrainedModel, head_ids: torch.Tensor, target: Pr
         "target_embedding_digest": embedding_digest(target.get_output_embeddings().weight),
         "head_size": len(head_ids),
         "about": "decoder layers and final norm only; the input embeddings and the output-head rows of "
-                 "head_ids are the target's (batchspec_cli.models.load_draft)",
+                 "head_ids are the target's (batchspec_cli.models.loading.load_draft)",
     }, indent=1))
     generation = getattr(target, "generation_config", None)
     if generation is not None:
