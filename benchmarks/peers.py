@@ -26,11 +26,9 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,14 +133,12 @@ def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else
            f"0-{threads - 1}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
-    start = time.perf_counter()
-    process = subprocess.Popen([python, f.name, str(model), str(inp), str(max_new), *extra], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    stdout, stderr = process.stdout.read().decode(), process.stderr.read().decode(errors="replace")
+    output: list[str] = []
+    code, wall, usage, stderr = whole_process([python, f.name, str(model), str(inp), str(max_new), *extra], env,
+                                              output)
+    stdout = output[0]
     os.unlink(f.name)
-    if os.waitstatus_to_exitcode(status) != 0 or not stdout.strip():
+    if code != 0 or not stdout.strip():
         raise SystemExit(f"{python} {script[:40]!r}... failed: {stderr[-3000:]}")
     result = json.loads(stdout.strip().splitlines()[-1])
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024, **result}

@@ -66,15 +66,21 @@ def write_prompts(path: Path, rows: int, seed: int = 0) -> None:
             f.write(json.dumps({"id": f"r{i}", "prompt": words}) + "\n")
 
 
-def whole_process(command: list[str], env: dict) -> tuple[int, float, os.struct_rusage, str]:
-    """Run ``command`` as one process: (exit code, wall seconds, its rusage from wait4, its stderr)."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    stderr = process.stderr.read().decode(errors="replace")
-    process.stderr.close()
-    return os.waitstatus_to_exitcode(status), wall, usage, stderr
+def whole_process(command: list[str], env: dict, output: list[str] | None = None) -> tuple[int, float,
+                                                                                         os.struct_rusage, str]:
+    """Run ``command`` as one process: (exit code, wall seconds, its rusage from wait4, its stderr); its stdout is
+    appended to ``output`` when one is given. Both go to files, not pipes: a child that writes more than a pipe holds
+    (vLLM's logs) would block on it while this process waits for it to exit."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, env=env, stdout=out if output is not None else subprocess.DEVNULL,
+                                   stderr=err)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        out.seek(0), err.seek(0)
+        if output is not None:
+            output.append(out.read().decode(errors="replace"))
+        return os.waitstatus_to_exitcode(status), wall, usage, err.read().decode(errors="replace")
 
 
 def run(inp: Path, out: Path, model: Path, flags: list[str], pythonpath: str) -> dict:
