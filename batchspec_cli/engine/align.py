@@ -85,10 +85,11 @@ class SlotCache:
 
     Memory follows the rows there are: the buffers hold ``rows`` of the ``n_slots``
     addressable slots (slots ``0..rows-1``; rows are placed in the lowest free slots; at most
-    twice the rows placed) and ``capacity`` columns, both grown on demand (``grow``: by the table ahead of a need that is
-    known, by ``update`` when a forward runs past the end; before the first forward it only
-    sets the size the buffers are allocated at). A growth allocates first, then copies the
-    live slots' columns only (``keep``: the table's live set; ``None``: every row).
+    twice the rows placed) and ``capacity`` columns, both grown on demand (``grow``: by the
+    table ahead of a need that is known, by ``update`` when a forward runs past the end;
+    before the first forward it only sets the size the buffers are allocated at). A growth
+    allocates first, then copies the live slots' columns only (``keep``: the table's live set;
+    ``None``: every row).
     """
 
     growth = 0.5  # a growth adds at least this fraction of the capacity (geometric: bounded total copying)

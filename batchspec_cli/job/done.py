@@ -86,7 +86,8 @@ class Done:
             for row, prompt in zip(batch.column(ROW_COLUMN).to_pylist(), batch.column(PROMPT_IDS_COLUMN).to_pylist()):
                 if row >= plan.input_rows:  # a bucket directory's row beyond --limit
                     continue
-                for out in range(samples.first(row), samples.first(row) + samples.count(row)):
+                first = samples.first(row)
+                for out in range(first, first + samples.count(row)):
                     if not self.before[out]:
                         continue
                     # each sample's documents: its prompt; a completion, with the prompt's last tokens before it
