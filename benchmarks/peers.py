@@ -138,9 +138,10 @@ def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new
                                               output)
     stdout = output[0]
     os.unlink(f.name)
-    if code != 0 or not stdout.strip():
+    if code != 0 or '{"startup_s"' not in stdout:
         raise SystemExit(f"{python} {script[:40]!r}... failed: {stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    # its one JSON line: vLLM logs to stdout too, before and after it
+    result = json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith('{"startup_s"')))
     return {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024, **result}
 
 
