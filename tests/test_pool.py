@@ -97,6 +97,30 @@ def test_a_job_that_knows_its_longest_prompt_allocates_its_kv_buffers_once(targe
     assert growths == [] and cache.rows == 12 and cache.capacity >= 70 + 10
 
 
+def test_auto_reserves_one_batch_while_it_decodes_plainly_and_its_rows_stay_exact(target, monkeypatch, pools):
+    """auto starts in PLAIN, which holds one batch: the first reservation is that batch's slots at the job's longest
+    length, not the speculating pool's four batches (which a SPEC that wins grows into)."""
+    from batchspec_cli.engine.drafters import make
+    from batchspec_cli.engine.pool import SlotPool
+    from batchspec_cli.job.generation import Counted
+
+    prompts = prompts_of(12, seed=4, lo=4, hi=30)
+    requests = [Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=8, pad_to=len(p)) for i, p in enumerate(prompts)]
+    engine = Engine(ModelHandle(target, "cache"), None, [], EngineConfig(mode="auto", batch_size=4),
+                    lookups=make(["ngram"]))
+    assert engine.strategy.n_slots == 16
+    reserved = []
+    real = SlotPool.reserve
+
+    def spy(pool, slots, columns, rows=0):
+        reserved.append(rows)
+        return real(pool, slots, columns, rows)
+    monkeypatch.setattr(SlotPool, "reserve", spy)
+    results = {e.row: e for e in engine.run(Counted(requests, 12, longest=30)) if isinstance(e, RowResult)}
+    assert reserved[0] == 4  # one batch, not min(16, 12)
+    assert [results[i].token_ids for i in range(12)] == [greedy_reference(target, p, 8, []) for p in prompts]
+
+
 def test_kv_buffers_hold_the_rows_there_are_not_the_batch_size(target, pools):
     """Two rows at batch 64 (a window of 256 slots) allocate KV for two slots, reserved for their whole length."""
     prompts = prompts_of(2, seed=3, lo=5, hi=8)

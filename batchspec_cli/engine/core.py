@@ -433,12 +433,14 @@ class Engine:
     def _first_reservation(self, run: RunState, columns: int, limit: int) -> tuple[int, int]:
         """(columns, slots) to reserve at a run's first admission. When the job's longest padded prompt and its row
         count are known and the slots its rows will fill, at that length, fit the KV budget: exactly that (one
-        allocation; no growth that copies every slot as longer buckets arrive). Else an eighth more columns than
-        the first rows need (each bucket is at most about 10 % longer than the one before), slots as they come."""
+        allocation; no growth that copies every slot as longer buckets arrive). The slots are the pool's where the
+        policy fills the pool, else one batch's (auto's PLAIN arm: a SPEC that wins later grows them). Else an
+        eighth more columns than the first rows need (each bucket is at most about 10 % longer than the one
+        before), slots as they come."""
         longest, total = run.admission.longest, run.admission.total
         if longest is not None and total is not None:
             reach = max(columns, longest + limit + self.max_k + 1)
-            slots = min(self.strategy.n_slots, total)
+            slots = min(self.strategy.n_slots if self.policy.wants_pool() else self.batch_size, total)
             budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0))
             column = sum(kv_column_bytes(h.model) for h in self._loaded())
             if slots * reach * column <= budget:
