@@ -38,7 +38,7 @@ import torch
 from ..models.attention import group_forward
 from .align import SlotCache
 
-MIN_TOKENS = 64  # a prefix shorter than this is not shared
+MIN_TOKENS = 16  # a prefix shorter than this is not shared
 MAX_TOKENS = 16384  # the kept prefix's most columns (its memory: one row of each model's KV this long)
 
 
