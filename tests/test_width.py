@@ -10,6 +10,7 @@ import torch
 
 from batchspec_cli.engine.core import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
 from batchspec_cli.engine.events import Request, RowResult, StepStats, WidthChosen
+from batchspec_cli.models.attention import kv_column_bytes
 from batchspec_cli.policy.control import choose_width, wider_pays
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama
 
@@ -35,7 +36,7 @@ class Timed(Engine):
     """An engine whose bare steps take invented times: a step costs 1 + width / 32 time units."""
 
     def _bare_step(self, width: int, context: int):
-        return 1.0 + width / 32, 1000
+        return 1.0 + width / 32
 
 
 def requests(n: int, max_new: int = 9) -> list[Request]:
@@ -72,7 +73,8 @@ def test_the_kv_memory_budget_bounds_the_width():
     target = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
     reqs = requests(200)
     longest = max(len(r.prompt_ids) for r in reqs[:1]) + 9 + 1  # the first row, at its full length
-    cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True, kv_memory=16 * longest * 1000)
+    cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True,
+                       kv_memory=16 * longest * kv_column_bytes(target))
     chosen, rows, steps = run(Timed(ModelHandle(target, "cache"), None, [1], cfg), reqs)
     assert sorted(chosen[0].rates) == [8, 16] and chosen[0].width == 16 and "memory" in chosen[0].stopped
     assert max(s.batch_size for s in steps) <= 16 and len(rows) == 200
@@ -101,7 +103,8 @@ def test_widths_are_timed_at_the_median_rows_context_and_bounded_by_the_longest_
 
     target = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
     reqs = requests(40)  # prompts of 1-12 tokens; the job says its median row is padded to 30, its longest to 200
-    cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True, kv_memory=16 * (200 + 9 + 1) * 1000)
+    cfg = EngineConfig(mode="ar", batch_size=AUTO_WIDTHS[-1], auto_width=True,
+                       kv_memory=16 * (200 + 9 + 1) * kv_column_bytes(target))
     engine = Recorded(ModelHandle(target, "cache"), None, [1], cfg)
     engine.contexts = []
     events = list(engine.run(Counted(reqs, len(reqs), longest=200, typical=30)))
@@ -143,7 +146,7 @@ def test_a_width_measured_before_on_this_machine_is_run_again_and_a_new_shape_is
     assert rows_again == rows
     other, timed, _ = job(typical=300)  # another context: another shape, measured
     assert timed and not other.remembered
-    squeezed, timed, _ = job(typical=20, kv_memory=16 * (20 + 9 + 1) * 1000)  # no longer fits: measured again
+    squeezed, timed, _ = job(typical=20, kv_memory=16 * (20 + 9 + 1) * kv_column_bytes(target))  # no longer fits
     assert timed and not squeezed.remembered and squeezed.width == 16
 
 

@@ -392,24 +392,27 @@ class Engine:
             self.width_rates = {}
             self._set_width(widths[0] if widths else self.cfg.batch_size)
             return WidthChosen(self.batch_size, {}, "the job has no more rows than the narrowest width")
-        context = (admission.typical or max(first.pad_to or 0, len(first.prompt_ids))) + first.max_new_tokens // 2
-        longest = ((admission.longest or max(first.pad_to or 0, len(first.prompt_ids))) + first.max_new_tokens
-                   + self.max_k + 1)
-        budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0)) or None
-        per_row = pool_window(1, None) if self.max_k else 1  # live rows per batch row once a pool fills
+        first_length = max(first.pad_to or 0, len(first.prompt_ids))
+        context = (admission.typical or first_length) + first.max_new_tokens // 2
+        longest = (admission.longest or first_length) + first.max_new_tokens + self.max_k + 1
+        budget = self._kv_budget()
+        row_bytes = (pool_window(1, None) if self.max_k else 1) * longest * kv_column_bytes(self.target.model)
+
+        def fits(width: int) -> bool:  # its rows (the pool's window where it can speculate) at the longest length
+            return not budget or width * row_bytes <= budget
+
         memory = self.cfg.width_memory
         job = {"mode": self.cfg.mode, "k": self.max_k, "draft": self.has_draft, "widths": widths,
                "context": 1 << max(0, context - 1).bit_length()}  # the context's power of two
         remembered = memory.recall(job) if memory is not None else None
-        if remembered is not None and (budget is None or
-                                       remembered[0] * per_row * longest * kv_column_bytes(self.target.model) <= budget):
+        if remembered is not None and fits(remembered[0]):
             self.width_rates = remembered[1]
             self._set_width(remembered[0])
             return WidthChosen(self.batch_size, remembered[1], "measured before on this machine", remembered=True)
         rates, stopped = {}, "a wider batch did not pay"
         for width in widths:
             try:
-                seconds, column_bytes = self._bare_step(width, context)
+                seconds = self._bare_step(width, context)
             except torch.OutOfMemoryError:
                 self._empty_cache()
                 stopped = "out of memory"
@@ -419,7 +422,7 @@ class Engine:
             if wider is None:
                 stopped = "the widest width" if width < rows else "the job's rows"
                 break
-            if budget is not None and wider * per_row * longest * column_bytes > budget:
+            if not fits(wider):
                 stopped = f"the KV memory budget ({budget / 2**30:.1f} GiB)"
                 break
             if not wider_pays(rates):
@@ -441,9 +444,8 @@ class Engine:
         if longest is not None and total is not None:
             reach = max(columns, longest + limit + self.max_k + 1)
             slots = min(self.strategy.n_slots if self.policy.wants_pool() else self.batch_size, total)
-            budget = self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0))
             column = sum(kv_column_bytes(h.model) for h in self._loaded())
-            if slots * reach * column <= budget:
+            if slots * reach * column <= self._kv_budget():
                 return reach, slots
         return columns + columns // 8, 0
 
@@ -452,8 +454,13 @@ class Engine:
         draft = self.draft.loaded if self.draft is not None else None
         return [self.target] + ([draft] if draft is not None else [])
 
-    def _bare_step(self, width: int, context: int) -> tuple[float, int]:
-        """(seconds, KV bytes per row and column) of a one-token target forward of ``width`` rows at ``context``."""
+    def _kv_budget(self) -> int:
+        """The bytes the rows' KV may take: ``kv_memory``, else ``KV_MEMORY_SHARE`` of the memory free now (0:
+        unknown)."""
+        return self.cfg.kv_memory or int(KV_MEMORY_SHARE * (self._free_memory() or 0))
+
+    def _bare_step(self, width: int, context: int) -> float:
+        """Seconds of a one-token target forward of ``width`` rows at ``context``."""
         cache = SlotCache(width, context + 1)
         tokens = torch.full((width, 1), self.cfg.pad_id, dtype=torch.long, device=self.device)
         pad = torch.zeros(width, dtype=torch.long, device=self.device)
@@ -465,8 +472,7 @@ class Engine:
                           logits_to_keep=1)
             self._sync()
             times.append(time.perf_counter() - began)
-        column_bytes = sum(t.numel() * t.element_size() for t in cache.keys + cache.values) // (width * (context + 1))
-        return min(times[1:]), column_bytes
+        return min(times[1:])
 
     def _free_memory(self) -> int | None:
         if self.device.type == "cuda":
