@@ -3,6 +3,7 @@ the non-finite guard of the round, and the folded kernel registered for the run 
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -144,3 +145,66 @@ def test_rows_of_one_group_read_only_their_own_columns_and_stay_exact(monkeypatc
     results, _ = run_engine_rows(target, draft if mode != "ar" else None, prompts, cfg, max_new=12, eos=())
     assert [results[i].token_ids for i in range(24)] == [greedy_reference(target, p, 12, []) for p in prompts]
     assert any(used), "the group's spread of lengths should make runs of rows pay"
+
+
+def test_pack_rows_covers_each_column_once_within_the_budget_and_splits_only_rows_longer_than_it():
+    rng = random.Random(3)
+    for most in (1, 7, 64):
+        rows, slot = [], 0
+        for _ in range(40):
+            first = rng.randrange(0, 30)
+            start = first + rng.choice([0, 0, rng.randrange(0, 20)])  # some rows have cached columns already
+            rows.append((slot, first, start, start + rng.randrange(0, 3 * most + 2)))
+            slot += 1
+        forwards = list(attention.pack_rows(rows, most))
+        pieces = [p for f in forwards for p in f]
+        covered = collections.Counter((p.slot, c) for p in pieces for c in range(p.start, p.end))
+        assert covered == collections.Counter((s, c) for s, _, a, b in rows for c in range(a, b))
+        assert all(0 < sum(p.end - p.start for p in f) <= most for f in forwards)
+        for s, first, a, b in rows:
+            mine = [p for p in pieces if p.slot == s]
+            assert all(p.first == first for p in mine)
+            assert [p.start for p in mine] == sorted(p.start for p in mine)  # a row's pieces in column order
+            if b - a <= most:
+                assert len(mine) == (1 if b > a else 0)  # whole, wherever its neighbours end
+            else:
+                assert all(len(f) == 1 for f in forwards if any(p.slot == s for p in f))  # alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_packed_prefill_writes_each_rows_kv_as_prefilling_it_alone(dtype):
+    """Three rows packed into one forward (one of them continuing from columns already cached) write, at every
+    content column, the keys and values a per-prompt prefill computes; columns outside the pieces stay as they were."""
+    from transformers import DynamicCache
+
+    from batchspec_cli.engine.align import SlotCache
+    from batchspec_cli.models.loading import cache_kwarg
+
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=11, dtype=dtype, heads=4, kv_heads=2)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, TINY_VOCAB_SIZE) for _ in range(n)] for n in (9, 4, 13)]
+    width = 16
+    pads = [width - len(p) for p in prompts]
+    tokens = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, pads[i]:] = torch.tensor(p)
+    cache, kwarg = SlotCache(3, width), cache_kwarg(model)
+    with attention.for_run(model), torch.no_grad():
+        assert attention.packable(model, torch.device("cpu"))
+        # row 2's first 5 columns first, alone; then rows 0, 1 and the rest of row 2 in one forward
+        attention.packed_forward(model, cache, kwarg, tokens,
+                                 [attention.Piece(2, pads[2], pads[2], pads[2] + 5)])
+        attention.packed_forward(model, cache, kwarg, tokens,
+                                 [attention.Piece(0, pads[0], pads[0], width),
+                                  attention.Piece(1, pads[1], pads[1], width),
+                                  attention.Piece(2, pads[2], pads[2] + 5, width)])
+    atol = 1e-12 if dtype == torch.float64 else 1e-5
+    for i, p in enumerate(prompts):
+        alone = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([p]), use_cache=True, **{kwarg: alone})
+        for layer in range(len(cache.keys)):
+            want_k, want_v = alone.layers[layer].keys[0], alone.layers[layer].values[0]
+            torch.testing.assert_close(cache.keys[layer][i, :, pads[i]:], want_k, rtol=0, atol=atol)
+            torch.testing.assert_close(cache.values[layer][i, :, pads[i]:], want_v, rtol=0, atol=atol)
+            assert not cache.keys[layer][i, :, :pads[i]].any()  # pad columns are never written

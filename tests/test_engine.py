@@ -410,10 +410,12 @@ def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
 @pytest.mark.parametrize("mode", ["ar", "exspec", "auto"])
 def test_prefill_in_chunks_of_rows_and_of_columns_equals_greedy(monkeypatch, target, drafts, prompts, eos_ids,
                                                                 references, mode):
-    """A budget of 7 tokens a forward: rows of 24-column prompts are prefilled alone, 7 columns at a time."""
+    """A budget of 7 tokens a forward, padded groups (the path of models that cannot pack): rows of 24-column
+    prompts are prefilled alone, 7 columns at a time."""
     from batchspec_cli.engine import core as engine
 
     monkeypatch.setattr(engine, "PREFILL_TOKENS", 7)
+    monkeypatch.setattr(engine, "packable", lambda model, device: False)
     chunks, real = [], engine.prefill_chunks
 
     def recorded(*args):
@@ -426,3 +428,31 @@ def test_prefill_in_chunks_of_rows_and_of_columns_equals_greedy(monkeypatch, tar
     assert_equal_to_reference(results, references)
     assert_stats_consistent(results, stats)
     assert any(start > 0 for _, start, _ in chunks) and all(len(rows) * (stop - start) <= 7 for rows, start, stop in chunks)
+
+
+@pytest.mark.parametrize("mode", ["ar", "exspec", "auto"])
+@pytest.mark.parametrize("most", [7, 4096])
+def test_packed_prefill_equals_greedy(monkeypatch, target, drafts, prompts, eos_ids, references, mode, most):
+    """Prefills packed into one sequence per forward (no padding, no mask): at 7 tokens a forward a row runs in
+    pieces, each later piece attending to the cached columns before it; at 4096 every row of a batch is one
+    forward. Both equal per-prompt greedy decoding."""
+    from batchspec_cli.engine import core as engine
+
+    monkeypatch.setattr(engine, "PREFILL_TOKENS", most)
+    forwards, real = [], engine.pack_rows
+
+    def recorded(rows, budget):
+        out = list(real(rows, budget))
+        forwards.extend(out)
+        return out
+
+    monkeypatch.setattr(engine, "pack_rows", recorded)
+    draft = None if mode == "ar" else drafts["perturbed"]
+    results, stats = run_engine(target, draft, prompts, eos_ids, mode=mode, batch_size=5, k=3)
+    assert_equal_to_reference(results, references)
+    assert_stats_consistent(results, stats)
+    assert forwards and all(sum(p.end - p.start for p in pieces) <= most for pieces in forwards)
+    if most == 7:
+        assert any(p.start > p.first for pieces in forwards for p in pieces)  # a later piece of a row
+    else:
+        assert any(len(pieces) > 1 for pieces in forwards)  # rows packed together

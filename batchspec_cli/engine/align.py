@@ -45,6 +45,7 @@ from typing import Callable
 
 import torch
 
+from ..models.attention import Packing
 from ..policy.grouping import is_run
 
 Selection = slice | torch.Tensor  # slots of a group: a contiguous range (views) or indices
@@ -105,17 +106,25 @@ class SlotCache:
         self.rows_index: Selection = slice(0, 0)
         self.length = 0
         self.gathered = 0  # KV entries (token x layer) copied by group reads since reset
+        self.packing: Packing | None = None  # a packed forward's pieces (bind_packed), instead of a group
         self.copied_rows = 0  # slot rows copied by growths (per layer and tensor counted once)
 
     # -- the interface the model's attention layers call ------------------------------
     def bind(self, rows_index: Selection, length: int) -> None:
         self.rows_index, self.length = rows_index, length
 
+    def bind_packed(self, packing: Packing | None) -> None:
+        """The next forward is packed (``attention.packed_forward``): its new entries are the pieces' columns one
+        after another, in one sequence; ``None`` ends it."""
+        self.packing, self.length = packing, 0
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states, value_states: [group, kv_heads, n_new, head_dim]
         n_new = key_states.shape[2]
         if layer_idx == len(self.keys):
             self._allocate(key_states, value_states)
+        if self.packing is not None:
+            return self._update_packed(key_states, value_states, layer_idx)
         stop = self.length + n_new
         if stop > self.capacity:
             self.grow(stop)
@@ -127,6 +136,23 @@ class SlotCache:
         out = keys[self.rows_index, :, :stop], values[self.rows_index, :, :stop]
         self.gathered += key_states.shape[0] * stop
         return out
+
+    def _update_packed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """Write each piece's entries ([1, kv_heads, n_new, head_dim], the pieces one after another) into its slot's
+        columns; return the keys and values ``Packing`` says: the new ones, or each piece's from its first column."""
+        pieces = self.packing.pieces
+        self.grow(max(p.end for p in pieces), max(p.slot for p in pieces) + 1)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        offset = 0
+        for p in pieces:
+            n = p.end - p.start
+            keys[p.slot, :, p.start : p.end] = key_states[0, :, offset : offset + n]
+            values[p.slot, :, p.start : p.end] = value_states[0, :, offset : offset + n]
+            offset += n
+        if self.packing.whole:
+            return key_states, value_states
+        return (torch.cat([keys[p.slot, :, p.first : p.end] for p in pieces], 1)[None],
+                torch.cat([values[p.slot, :, p.first : p.end] for p in pieces], 1)[None])
 
     # -- what masking utilities may ask of a cache --------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

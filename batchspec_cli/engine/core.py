@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..config import DEFAULT, MODES
-from ..models.attention import for_run, group_forward, kv_column_bytes
+from ..models.attention import for_run, group_forward, kv_column_bytes, pack_rows, packable, packed_forward
 from ..models.widths import WidthMemory
 from ..policy.control import (Auto, Calibration, Choice, FixedK, Group, Offer, Policy, RoundReport, choose_width,
                               wider_pays)
@@ -649,12 +649,7 @@ class Engine:
         A row that does not fit even alone becomes an error row (its slot is freed).
         """
         try:
-            for first, group in _by_start(slots, starts):  # each row's own columns, in forwards of a bounded size
-                for rows, start, stop in prefill_chunks(group, end - 1 - first, PREFILL_TOKENS):
-                    rows_index = selection(rows, self.device)
-                    group_forward(self.target.model, run.table.target, self.target.cache_kwarg, rows_index,
-                                  run.table.layout.tokens[rows_index, first + start : first + stop],
-                                  run.table.pads(rows), first + start, logits_to_keep=1)
+            self._fill(self.target.model, run.table.target, self.target.cache_kwarg, run, slots, starts, end - 1)
             return []
         except torch.OutOfMemoryError:
             self._empty_cache()
@@ -662,6 +657,24 @@ class Engine:
                 return [self._end_row(run, slots[0], "error", "out of memory while prefilling this prompt alone")]
             half = len(slots) // 2
             return self._prefill(run, slots[:half], end, starts) + self._prefill(run, slots[half:], end, starts)
+
+    def _fill(self, model, cache: SlotCache, cache_kwarg: str, run: RunState, slots: list[int],
+              starts: dict[int, int], stop: int) -> None:
+        """Write ``model``'s KV for ``slots`` from their ``starts`` up to column ``stop``, in forwards of at most
+        ``PREFILL_TOKENS`` tokens. Packed where the model allows (``attention.packable``: one sequence of the rows'
+        own columns, no padding, each row causal on its own); else each start column's rows as a padded group."""
+        table = run.table
+        if packable(model, self.device):
+            rows = [(s, table.pad[s], max(starts[s], table.pad[s]), stop) for s in slots]
+            for pieces in pack_rows(rows, PREFILL_TOKENS):
+                packed_forward(model, cache, cache_kwarg, table.layout.tokens, pieces)
+            return
+        for first, group in _by_start(slots, starts):
+            for rows, start, end in prefill_chunks(group, stop - first, PREFILL_TOKENS):
+                rows_index = selection(rows, self.device)
+                group_forward(model, cache, cache_kwarg, rows_index, table.layout.tokens[rows_index, first + start :
+                                                                                          first + end],
+                              table.pads(rows), first + start, logits_to_keep=1)
 
     def _share_draft(self, run: RunState, slots: list[int]) -> None:
         """Rows whose draft cache covers none of their prompt take the kept prefix's draft KV where their prompt
@@ -700,11 +713,9 @@ class Engine:
             # rows that got a shared prefix start together at the first column all of them lack; the others at 0
             shared = [s for s in slots if table.draft_end[s] > table.pad[s]]
             first = min((table.draft_end[s] for s in shared), default=0)
-            for start, group in _by_start(slots, {s: first if s in shared else 0 for s in slots}):
-                if start < end - 2:
-                    rows_index = selection(group, self.device)
-                    self._drafter(run).prefill(rows_index, table.layout.tokens[rows_index, start : end - 2],
-                                               table.pads(group), start)
+            drafter = self._drafter(run)
+            self._fill(drafter.model, table.draft, drafter.cache_kwarg, run, slots,
+                       {s: first if s in shared else 0 for s in slots}, end - 2)
             self._sync()
         except torch.OutOfMemoryError:
             self._empty_cache()

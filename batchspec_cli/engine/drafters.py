@@ -109,11 +109,6 @@ class ModelDrafter(_Unlearning):
         self.model, self.cache_kwarg, self.vocab, self.cache = model, cache_kwarg, vocab, cache
 
     @torch.no_grad()
-    def prefill(self, rows_index: Selection, tokens: torch.Tensor, pad: torch.Tensor, start: int = 0) -> None:
-        """Fill the cache rows ``rows_index`` with ``tokens`` [G, n] from column ``start`` (the columns before it are
-        filled already: a shared prefix)."""
-        group_forward(self.model, self.cache, self.cache_kwarg, rows_index, tokens, pad, start, logits_to_keep=1)
-
     @torch.no_grad()
     def propose(self, rows: Rows, k: int) -> Proposal:
         """k tokens per row; the first forward feeds every column the cache has not seen (at least the last two)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import __version__
 from ..config import AUTO, GenerateConfig
 from ..engine import constraints
 from ..engine import drafters
@@ -117,7 +118,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
         memory = widths.WidthMemory(models.cache_dir() / widths.FILE_NAME, {
             **widths.machine(str(model.device)), "target": str(model.config.name_or_path or cfg.target),
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype),
-            "threads": torch.get_num_threads(), "kernels": cfg.kernels})
+            "threads": torch.get_num_threads(), "kernels": cfg.kernels, "batchspec": __version__})  # new kernels
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=AUTO_WIDTHS[-1] if auto_width else cfg.batch_size,
                          auto_width=auto_width, window=cfg.window, width_memory=memory,
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)

@@ -33,6 +33,10 @@ pad query may attend to itself, so their forwards never hold a pad query: a grou
 forward starts before a row's content is run as sub-groups, each from its rows' first
 content column (only the last position's logits are then available).
 
+A CPU prefill of a model with full-attention layers only runs packed instead (``packed_forward``):
+the rows' own columns one after another in one sequence, no padding, no mask, each row causal on
+its own keys; pad columns are then never computed.
+
 The folded kernel (``folded_sdpa``): stock SDPA with an explicit mask repeats every KV head
 ``n_rep`` times for grouped-query attention; the kernel folds the query heads into the query
 length instead. It is registered in transformers' attention registry for the run only, and
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -227,6 +232,113 @@ def _from_content(model, cache, cache_kwarg: str, rows_index, input_ids: torch.T
     return logits
 
 
+# -- packed prefill (CPU) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One row's part of a packed forward: the slot's columns ``start..end-1`` are written; its keys run from
+    ``first``, its first content column (``first..start-1`` are in the cache already: a shared prefix, or the
+    earlier part of a row longer than one forward)."""
+
+    slot: int
+    first: int
+    start: int
+    end: int
+
+
+class Packing:
+    """The pieces of one packed forward and where each one's queries and keys lie in it.
+
+    The forward's new tokens are the pieces' columns one after another (queries ``q0..q1``). Its keys
+    (``SlotCache`` returns them) are the new keys as they are when no piece has earlier columns (``whole``), else
+    each piece's keys from its ``first`` column, one after another (``k0..k1``)."""
+
+    def __init__(self, pieces: list[Piece]):
+        self.pieces = pieces
+        self.whole = all(p.first == p.start for p in pieces)
+        self.spans: list[tuple[int, int, int, int]] = []  # (q0, q1, k0, k1) per piece
+        q = k = 0
+        for p in pieces:
+            n = p.end - p.start
+            m = n if self.whole else p.end - p.first
+            self.spans.append((q, q + n, k, k + m))
+            q, k = q + n, k + m
+
+
+def packable(model, device: torch.device) -> bool:
+    """Whether a prefill of ``model`` may run packed (``packed_forward``): on a CPU (each piece is its own kernel
+    call), with the folded kernel (which knows packings), every layer full attention and no ALiBi bias."""
+    return (device.type == "cpu" and getattr(model.config, "_attn_implementation", None) == FOLDED_SDPA
+            and layers_of(model) == Layers(types=(FULL,)))
+
+
+def pack_rows(rows: list[tuple[int, int, int, int]], most: int) -> Iterator[list[Piece]]:
+    """The packed forwards that prefill ``rows`` (slot, first content column, first new column, end column), each at
+    most ``most`` tokens. Rows stay whole, in order; a row longer than ``most`` runs alone, in pieces of ``most``
+    columns. A row's pieces so depend on its own length only, never on the rows beside it."""
+    batch, size = [], 0
+    for slot, first, start, end in rows:
+        if end - start > most:
+            if batch:
+                yield batch
+                batch, size = [], 0
+            for a in range(start, end, most):
+                yield [Piece(slot, first, a, min(end, a + most))]
+            continue
+        if end <= start:
+            continue
+        if batch and size + end - start > most:
+            yield batch
+            batch, size = [], 0
+        batch.append(Piece(slot, first, start, end))
+        size += end - start
+    if batch:
+        yield batch
+
+
+def packed_forward(model, cache, cache_kwarg: str, tokens: torch.Tensor, pieces: list[Piece]) -> None:
+    """Prefill the pieces' columns of ``tokens`` [slots, columns] in one forward of one sequence: no padding and no
+    mask, each row attending causally to its own columns only (``_packed_attend``). Writes their KV into
+    ``cache``; the logits are not wanted (a prefill stops before a row's last prompt token)."""
+    packing = Packing(pieces)
+    device = tokens.device
+    ids = torch.cat([tokens[p.slot, p.start : p.end] for p in pieces])[None]
+    positions = torch.cat([torch.arange(p.start - p.first, p.end - p.first, device=device) for p in pieces])[None]
+    # a 4D mask is taken as it is (transformers builds none); the folded kernel ignores it for a packing
+    unused = torch.zeros(1, 1, 1, 1, dtype=next(model.parameters()).dtype, device=device)
+    cache.bind_packed(packing)
+    _packing.value = packing
+    try:
+        model(input_ids=ids, attention_mask=unused, position_ids=positions, use_cache=True, logits_to_keep=1,
+              **{cache_kwarg: cache})
+    finally:
+        _packing.value = None
+        cache.bind_packed(None)
+
+
+_packing = threading.local()  # the running packed forward's Packing, read by _folded_sdpa (one forward per thread)
+
+
+def _packed_attend(query, key, value, packing: Packing, scaling: float | None) -> torch.Tensor:
+    """Each piece's queries against its own keys: causal when its keys are its new columns, else causal from the
+    bottom right (the query at new column i sees every earlier column and the new ones up to i)."""
+    outs = []
+    for q0, q1, k0, k1 in packing.spans:
+        q, k, v = query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]
+        if k1 - k0 == q1 - q0:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                                   enable_gqa=True)
+        else:
+            shift = (k1 - k0) - (q1 - q0)
+            allowed = (torch.arange(k1 - k0, device=query.device)[None, :]
+                       <= torch.arange(shift, k1 - k0, device=query.device)[:, None])
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
+                                                                   enable_gqa=True)
+        outs.append(out)
+    return torch.cat(outs, 2).transpose(1, 2).contiguous()
+
+
 # -- the folded GQA kernel --------------------------------------------------------------------------
 
 FOLDED_SDPA = "batchspec_sdpa"
@@ -242,10 +354,15 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     token: every verify forward and every draft catch-up here. Instead, the ``n_rep`` query
     heads that share a KV head are folded into the query length
     (``[B, H, q, D] -> [B, H/n_rep, n_rep*q, D]``) and the mask, shared by all heads, is
-    repeated along it. This is stock SDPA's own one-token case (``pack_gqa``) for q > 1; all
-    other cases go to stock SDPA unchanged, and so does anything this kernel does not implement
+    repeated along it. This is stock SDPA's own one-token case (``pack_gqa``) for q > 1. On a
+    CPU it runs for one-token queries too (every decode step): stock SDPA with a mask there took
+    5x as long (one layer, 32 rows of 700 columns, bfloat16: 21.5 ms against 4.1). All other
+    cases go to stock SDPA unchanged, and so does anything this kernel does not implement
     (soft-capping, attention sinks, a position bias): it never drops a feature.
     """
+    packing = getattr(_packing, "value", None)
+    if packing is not None:
+        return _packed_attend(query, key, value, packing, scaling), None
     spans = getattr(_spans, "value", None)
     if spans is not None and attention_mask is not None and attention_mask.dim() == 4 \
             and spans[-1][1] == query.shape[0] == key.shape[0] and not kwargs.get("position_bias"):
@@ -260,7 +377,7 @@ def _attend(module, query, key, value, attention_mask, dropout: float = 0.0, sca
     n_rep = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
     if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-            or q_len == 1 or key.shape[-1] != value.shape[-1]
+            or (q_len == 1 and query.device.type != "cpu") or key.shape[-1] != value.shape[-1]
             or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
