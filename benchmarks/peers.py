@@ -130,8 +130,9 @@ def peer(python: str, script: str, model: Path, inp: Path, threads: int, max_new
     """One whole process of a peer's script."""
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(script)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else
-           f"0-{threads - 1}", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    cores = sorted(os.sched_getaffinity(0))[:threads]  # vLLM binds its threads itself: to the cores we may use
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.pop("PYTHONPATH", None)
     output: list[str] = []
     code, wall, usage, stderr = whole_process([python, f.name, str(model), str(inp), str(max_new), *extra], env,
