@@ -109,7 +109,6 @@ class ModelDrafter(_Unlearning):
         self.model, self.cache_kwarg, self.vocab, self.cache = model, cache_kwarg, vocab, cache
 
     @torch.no_grad()
-    @torch.no_grad()
     def propose(self, rows: Rows, k: int) -> Proposal:
         """k tokens per row; the first forward feeds every column the cache has not seen (at least the last two)."""
         end = rows.tokens.shape[1]
