@@ -570,7 +570,8 @@ def verify(
         for m in report.mismatches:
             table.add_row(str(m.row), m.id, str(m.position), str(m.run_token), str(m.reference_token),
                           "-" if m.margin is None else f"{m.margin:.3g}", "-" if m.units is None else f"{m.units:.3g}",
-                          "near-tie" if m.near_tie else "unexplained")
+                          ("near-tie" if m.float64_margin is None else "near-tie (float64)") if m.near_tie
+                          else "unexplained")
         out.print(table)
     if report.unexplained:
         raise typer.Exit(code=1)

@@ -18,6 +18,7 @@ absolute ``tolerance`` (default 1e-3, the float32 audit as before), is a near-ti
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .io.jsonl import JSONL_SUFFIXES
 from .io.prompts import render_prompt
 from .io.row_settings import OVERRIDES, row_value
 from .models import loading as models
+from .models.kernels import memory_available
 from .store.outputs import read_completions, read_run_metadata
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
@@ -55,6 +57,7 @@ class Mismatch:
     margin: float | None  # reference logit(own) - logit(run's token); None when not defined
     near_tie: bool
     units: float | None = None  # the margin in units of the model's dtype at the scores' magnitude (``unit``)
+    float64_margin: float | None = None  # the same margin in float64 (``Float64.margin``), where it was re-checked
 
 
 @dataclass
@@ -116,6 +119,7 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,
                           dtype=str(model.dtype).removeprefix("torch."))
+    exact = Float64(model)
     for i in candidates:
         r = rows[i]
         try:
@@ -130,6 +134,8 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         ref, logits = _decode(model, prompt_ids, int(settings.value("max_new_tokens", i)), eos, noise, mask)
         report.checked += 1
         mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance, units, model.dtype)
+        if mismatch is not None and noise is None and mask is None:
+            recheck(mismatch, exact, prompt_ids, ref, tolerance, units, model.dtype)
         if mismatch is None:
             report.exact += 1
         else:
@@ -251,6 +257,51 @@ def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
             tokens = tokens[: j + 1]
             break
     return tokens, [step[0] for step in (out.scores if processors else out.logits)]
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # a reference in these rounds as much as the run: re-checked
+
+
+class Float64:
+    """The model in float64, copied at the first difference that needs it; ``None`` margins where no copy fits."""
+
+    def __init__(self, model):
+        self.model, self.copy, self.failed = model, None, False
+
+    @torch.no_grad()
+    def margin(self, ids: list[int], ref_tok: int, run_tok: int) -> tuple[float, float] | None:
+        """(the reference token's float64 logit minus the run token's, the larger of their magnitudes) after ``ids``."""
+        if self.copy is None and not self.failed:
+            need = 8 * sum(p.numel() for p in self.model.parameters())
+            device = next(self.model.parameters()).device
+            free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_available())
+            try:
+                if free is None or need > free // 2:
+                    raise torch.OutOfMemoryError
+                self.copy = copy.deepcopy(self.model).to(torch.float64)
+            except torch.OutOfMemoryError:
+                self.failed = True
+        if self.copy is None:
+            return None
+        logits = self.copy(input_ids=torch.tensor([ids], device=next(self.copy.parameters()).device)).logits[0, -1]
+        own, other = float(logits[ref_tok]), float(logits[run_tok])
+        return own - other, max(abs(own), abs(other))
+
+
+def recheck(mismatch: Mismatch, exact: Float64, prompt_ids: list[int], ref: list[int], tolerance: float,
+            units: float, dtype: torch.dtype) -> None:
+    """A greedy difference beyond the units in a low-precision dtype, measured again in float64 at the same prefix:
+    a near-tie when float64's margin is within the units (or the run's token is float64's own choice). The
+    reference rounds as the run does, so its margin alone can exceed the units where the true one does not."""
+    m = mismatch
+    if m.near_tie or dtype not in LOW_PRECISION or m.run_token is None or m.reference_token is None:
+        return
+    found = exact.margin(prompt_ids + ref[: m.position], m.reference_token, m.run_token)
+    if found is None:
+        return
+    margin, magnitude = found
+    m.float64_margin = margin
+    m.near_tie = margin < tolerance or margin / unit(dtype, magnitude) <= units
 
 
 def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,

@@ -62,3 +62,35 @@ def test_a_bfloat16_run_passes_its_audit_and_a_changed_token_does_not(tmp_path, 
     tamper_token(out, 1, 0, 13)  # a token the reference did not choose
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 1 and "1 unexplained" in audit.output, audit.output
+
+
+def test_a_bfloat16_difference_beyond_the_units_is_rechecked_in_float64():
+    """The float64 margin at the same prefix decides: the second-best token is within a ruler that covers float64's
+    own margin, the worst token is not (the expected margins from an independent float64 forward)."""
+    import torch
+
+    from batchspec_cli.verify import Float64, Mismatch, recheck, unit
+    from conftest import TINY_VOCAB_SIZE, make_tiny_llama
+
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=3, dtype=torch.bfloat16)
+    prompt, ref = [5, 9, 14, 3], [7, 11]
+    with torch.no_grad():
+        truth = make_tiny_llama(TINY_VOCAB_SIZE, seed=3, dtype=torch.bfloat16).double()(
+            input_ids=torch.tensor([prompt + ref[:1]])).logits[0, -1]
+    order = truth.argsort(descending=True).tolist()
+    best, second, worst = order[0], order[1], order[-1]
+    gap = float(truth[best] - truth[second])
+    ruler = gap / unit(torch.bfloat16, max(abs(float(truth[best])), abs(float(truth[second])))) + 0.5
+    exact = Float64(model)
+    close = Mismatch(0, "r0", 1, second, best, margin=9.0, near_tie=False, units=99.0)
+    recheck(close, exact, prompt, ref, 1e-9, ruler, torch.bfloat16)
+    assert close.near_tie and abs(close.float64_margin - gap) < 1e-9
+    far = Mismatch(0, "r0", 1, worst, best, margin=9.0, near_tie=False, units=99.0)
+    recheck(far, exact, prompt, ref, 1e-9, ruler, torch.bfloat16)
+    assert not far.near_tie and far.float64_margin > gap
+    right = Mismatch(0, "r0", 1, best, second, margin=9.0, near_tie=False, units=99.0)  # the run took float64's choice
+    recheck(right, exact, prompt, ref, 1e-9, 0.0, torch.bfloat16)
+    assert right.near_tie and right.float64_margin < 0
+    in_float32 = Mismatch(0, "r0", 1, worst, best, margin=9.0, near_tie=False, units=99.0)
+    recheck(in_float32, exact, prompt, ref, 1e-9, 1e9, torch.float32)  # float32 runs keep their own audit
+    assert not in_float32.near_tie and in_float32.float64_margin is None
