@@ -279,11 +279,16 @@ class Float64:
                 if free is None or need > free // 2:
                     raise torch.OutOfMemoryError
                 self.copy = copy.deepcopy(self.model).to(torch.float64)
-            except torch.OutOfMemoryError:
-                self.failed = True
+                models.plain_experts(self.copy)  # grouped-mm experts have no float64 kernel
+            except (torch.OutOfMemoryError, RuntimeError):  # a CPU allocation that fails raises RuntimeError
+                self.copy, self.failed = None, True
         if self.copy is None:
             return None
-        logits = self.copy(input_ids=torch.tensor([ids], device=next(self.copy.parameters()).device)).logits[0, -1]
+        try:
+            logits = self.copy(input_ids=torch.tensor([ids], device=next(self.copy.parameters()).device)).logits[0, -1]
+        except (torch.OutOfMemoryError, RuntimeError):  # an op without a float64 kernel: the audit stands as it was
+            self.copy, self.failed = None, True
+            return None
         own, other = float(logits[ref_tok]), float(logits[run_tok])
         return own - other, max(abs(own), abs(other))
 
