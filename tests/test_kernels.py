@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -208,3 +209,66 @@ def test_the_jobs_kernels_hold_a_bounded_memory_however_many_sizes_run():
         pytest.skip(f"this oneDNN build keeps little per size ({unbounded:.0f} MB for 630 sizes)")
     # 630 kernels against at most 2 x 128 (here ~320 MB against ~55 MB): whatever a kernel costs on this CPU
     assert bounded < unbounded / 3, (bounded, unbounded)
+
+
+def test_the_packed_rows_are_the_fewest_from_which_packed_was_never_slower():
+    """Invented timings (ms by rows): packed runs from the smallest timed size at and above which it was never
+    slower than stock; where it was slower at the largest timed size, from one past it."""
+    stock = {1: 10.0, 2: 11.0, 3: 11.0, 4: 17.0, 6: 18.0, 8: 20.0}
+    assert kernels.min_rows_from(stock, {1: 14.0, 2: 14.0, 3: 14.0, 4: 14.0, 6: 14.0, 8: 15.0}) == 4  # this Xeon
+    assert kernels.min_rows_from(stock, {r: 5.0 for r in stock}) == 1  # an AMX core in bfloat16
+    assert kernels.min_rows_from(stock, {1: 14.0, 2: 10.0, 3: 12.0, 4: 14.0, 6: 14.0, 8: 15.0}) == 4  # not 2: 3 lost
+    assert kernels.min_rows_from(stock, {**{r: 5.0 for r in stock}, 8: 21.0}) == 9
+    assert kernels.min_rows_from(stock, {r: t for r, t in stock.items()}) == 1  # a tie is no loss
+
+
+@torch.no_grad()
+def test_measured_packed_rows_time_both_kernels_and_apply_to_every_dtype():
+    model = packed_copy(tiny())
+    rows, timings = kernels.measure_min_rows(model, sizes=(1, 2, 4), repeats=1)
+    assert 1 <= rows <= 5 and rows == kernels.min_rows_from(timings["stock"], timings["packed"])
+    assert set(timings) == {"stock", "packed"} and all(set(t) == {1, 2, 4} and min(t.values()) > 0
+                                                        for t in timings.values())
+    assert kernels.measure_min_rows(tiny()) == (1, {})  # nothing packed: nothing to time
+    bf16 = kernels.prepack(make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.bfloat16))
+    kernels.set_min_rows(bf16, 3)
+    layers = [m for m in bf16.modules() if isinstance(m, kernels.PackedLinear)]
+    assert layers and all(m.min_rows == 3 and m.first == 3 * m.in_features for m in layers)
+    with pytest.raises(ValueError):
+        kernels.set_min_rows(bf16, 0)
+
+
+def test_auto_kernels_run_packed_from_the_rows_measured_once_per_machine_and_model(monkeypatch, tmp_path):
+    """--kernels auto: the rows are measured on the first job and remembered (the same sizes take the same kernel
+    run after run); a damaged entry is measured again; --kernels packed keeps the default rows."""
+    from batchspec_cli.job.assembly import tune_kernels, use_kernels
+    from batchspec_cli.models.widths import MachineMemory
+
+    measured = []
+
+    def measure(model, sizes=kernels.ROWS_TIMED, repeats=2):
+        measured.append(model)
+        return 3, {"stock": {1: 1.0}, "packed": {1: 2.0}}
+
+    monkeypatch.setattr(kernels, "measure_min_rows", measure)
+    monkeypatch.setattr(kernels, "memory_available", lambda: 2**40)
+    memory = MachineMemory(tmp_path / "widths.json", {"machine": "this one"})
+
+    class Named(_Loaded):
+        name = "tiny"
+
+    def layer_rows(model):
+        return {m.min_rows for m in model.modules() if isinstance(m, kernels.PackedLinear)}
+
+    model = tiny()
+    assert use_kernels("auto", Named(model), tuning=memory) == ("packed", [])
+    assert len(measured) == 1 and layer_rows(model) == {3}
+    again = tiny()
+    assert use_kernels("auto", Named(again), tuning=memory) == ("packed", [])
+    assert len(measured) == 1 and layer_rows(again) == {3}  # remembered
+    job = next(iter(memory._read()))
+    memory.put(json.loads(job), {"min_rows": "many"})
+    assert tune_kernels(Named(again), memory) == 3 and len(measured) == 2
+    forced = tiny()
+    assert use_kernels("packed", Named(forced)) == ("packed", [])
+    assert len(measured) == 2 and layer_rows(forced) == {kernels.DEFAULT_MIN_ROWS}

@@ -34,13 +34,15 @@ class LazyDraft:
     """The draft model of a job: named and vetted when the job opens, loaded on its first use (``handle``).
 
     Loaded in the target's dtype and on its device, and packed when the target's kernels are
-    (``packed``, set by ``assemble``). Loading is quiet: it happens while the job runs."""
+    (``packed``, set by ``assemble``; from the rows measured on this machine where ``tuning`` is set, as the
+    target's). Loading is quiet: it happens while the job runs."""
 
     def __init__(self, spec: str, target: models.LoadedModel, dtype: str, device: str, quiet: bool):
         self.spec, self.target, self.dtype, self.device = spec, target, dtype, device
         self.name, folder = models.check_draft(spec, target, quiet)
         self.source = str(folder)
         self.packed = False
+        self.tuning: widths.MachineMemory | None = None  # --kernels auto: where the packed rows are remembered
         self.loaded: models.LoadedModel | None = None
 
     def weight_bytes(self) -> int:
@@ -58,6 +60,8 @@ class LazyDraft:
                 from ..models import kernels
 
                 kernels.prepack(draft.model)
+                if self.tuning is not None:
+                    tune_kernels(draft, self.tuning)
             self.loaded = draft
         return ModelHandle(self.loaded.model, models.cache_kwarg(self.loaded.model))
 
@@ -98,9 +102,12 @@ def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_name
     engine of ``mode`` with these drafters."""
     target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=quiet)
     draft = LazyDraft(draft_spec, target, cfg.dtype, cfg.device, quiet) if draft_spec is not None else None
-    kernels_run, notes = use_kernels(cfg.kernels, target, pending_bytes=draft.weight_bytes() if draft else 0)
+    tuning = kernel_memory(target) if cfg.kernels == "auto" else None
+    kernels_run, notes = use_kernels(cfg.kernels, target, pending_bytes=draft.weight_bytes() if draft else 0,
+                                     tuning=tuning)
     if draft is not None:
         draft.packed = kernels_run == "packed"
+        draft.tuning = tuning
     eos_ids = models.eos_ids(target.model, target.tokenizer)
     engine = build_engine(cfg, mode, target, draft, eos_ids, lookup_names)
     return Assembly(engine, target, draft, eos_ids, kernels_run, notes)
@@ -130,10 +137,12 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
                   lookups=drafters.make(lookup_names), guide=guide)
 
 
-def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0) -> tuple[str, list[str]]:
+def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0,
+                tuning: widths.MachineMemory | None = None) -> tuple[str, list[str]]:
     """Apply ``--kernels`` to the loaded models. Returns the kernels that run (stock or packed) and notes for the
     user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory). ``pending_bytes``:
-    what packing a model loaded later (the draft) would add; ``auto`` counts it now."""
+    what packing a model loaded later (the draft) would add; ``auto`` counts it now. ``tuning``: packed models
+    run packed from the rows measured faster on this machine (``tune_kernels``), else from the defaults."""
     if name == "stock":
         return "stock", []
     from ..models import kernels
@@ -155,4 +164,34 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
     kernels.bound_caches()  # before the first oneDNN operation (the packing), or it cannot apply
     for model in present:
         kernels.prepack(model)
+    if tuning is not None:
+        for model in loaded:
+            if model is not None:
+                tune_kernels(model, tuning)
     return "packed", []
+
+
+def kernel_memory(target: models.LoadedModel) -> widths.MachineMemory:
+    """Where the rows from which a model's linears run packed are remembered: by this machine, its threads and the
+    versions whose kernels were timed."""
+    return widths.MachineMemory(models.cache_dir() / widths.FILE_NAME, {
+        **widths.machine(str(target.model.device)), "threads": torch.get_num_threads(), "batchspec": __version__,
+        "torch": torch.__version__})
+
+
+def tune_kernels(loaded: models.LoadedModel, memory: widths.MachineMemory) -> int:
+    """Run ``loaded``'s packed linears packed from the rows measured faster than the stock kernel on this machine
+    (``kernels.measure_min_rows``), measured once per machine and model and remembered in ``memory``, so that an
+    input size takes the same kernel run after run. Returns those rows."""
+    from ..models import kernels
+
+    model = loaded.model
+    job = {"packed rows of": str(model.config.name_or_path or loaded.name), "dtype": str(model.dtype),
+           "parameters": sum(p.numel() for p in model.parameters())}
+    entry = memory.get(job)
+    rows = entry.get("min_rows") if isinstance(entry, dict) else None
+    if not (isinstance(rows, int) and 1 <= rows <= kernels.ROWS_TIMED[-1] + 1):
+        rows, timings = kernels.measure_min_rows(model)
+        memory.put(job, {"min_rows": rows, "ms": timings})
+    kernels.set_min_rows(model, rows)
+    return rows

@@ -28,6 +28,13 @@ working set, a few sizes per layer shape), so what they hold no longer depends o
 reads the caps when the process first uses it: ``bound_caches`` must run before ``prepack``, and
 keeps a value the user set.
 
+Which kernel pays from how many rows is the machine's: oneDNN's packed path was flat over 1-8 rows on the
+AMD and AMX hosts measured, but on an AVX-512 Xeon without bfloat16 units MKL ran 1-3 rows faster (a verify of
+3 tokens at batch 1 took 112-123 ms packed against 90-95 stock) and oneDNN only 4 rows and more.
+``measure_min_rows`` times both on the model's own weights, streamed as a forward streams them, and
+``set_min_rows`` applies the fewest rows from which packed is never slower (``--kernels auto``; the job
+remembers it per machine and model, ``job.assembly.tune_kernels``).
+
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
 runs are deterministic; but like the stock kernels (whose one-row and many-row paths also
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 from torch import nn
@@ -102,6 +110,68 @@ class PackedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, min_rows={self.min_rows}"
+
+
+def set_min_rows(model: nn.Module, min_rows: int) -> None:
+    """Run every ``PackedLinear`` of ``model``, whatever its dtype, packed from ``min_rows`` rows (in place)."""
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be at least 1, got {min_rows}")
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear):
+            layer.min_rows, layer.first = min_rows, min_rows * layer.in_features
+
+
+ROWS_TIMED = (1, 2, 3, 4, 6, 8)  # the input sizes ``measure_min_rows`` compares; above them packed is taken as faster
+TIMED_BYTES = 128 * 2**20  # weights one timing streams: more than a CPU's last-level cache, as a forward reads them
+
+
+def min_rows_from(stock: dict[int, float], packed: dict[int, float]) -> int:
+    """The fewest rows from which the packed kernel runs: the smallest timed size from which it was never slower
+    than the stock one at any larger timed size; one past the largest when it was slower there."""
+    best = max(stock) + 1
+    for rows in sorted(stock, reverse=True):
+        if packed[rows] > stock[rows]:
+            break
+        best = rows
+    return best
+
+
+@torch.no_grad()
+def measure_min_rows(model: nn.Module, sizes: tuple[int, ...] = ROWS_TIMED, repeats: int = 2) -> tuple[int, dict]:
+    """Time the stock and the packed kernel on ``model``'s own packed layers at each input size of ``sizes`` rows,
+    in the model's order until ``TIMED_BYTES`` of weights, interleaved, the fastest of ``repeats``. Returns
+    (``min_rows_from`` the timings, {"stock"|"packed": {rows: ms}}). A model without packed layers: (1, {})."""
+    layers, streamed = [], 0
+    for layer in model.modules():
+        if isinstance(layer, PackedLinear) and streamed < TIMED_BYTES:
+            layers.append(layer)
+            streamed += layer.weight.numel() * layer.weight.element_size()
+    if not layers:
+        return 1, {}
+    weight = layers[0].weight
+    inputs = {(rows, n): torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+              for rows in sizes for n in {layer.in_features for layer in layers}}
+
+    def seconds(rows: int, packed: bool) -> float:
+        start = time.perf_counter()
+        for layer in layers:
+            x = inputs[rows, layer.in_features]
+            if packed:
+                torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+            else:
+                F.linear(x, layer.weight, layer.bias)
+        return time.perf_counter() - start
+
+    best: dict[tuple[int, bool], float] = {}
+    for attempt in range(repeats + 1):  # the first builds oneDNN's kernels for each size: not timed
+        for rows in sizes:
+            for packed in ((False, True) if attempt % 2 else (True, False)):
+                took = seconds(rows, packed)
+                if attempt:
+                    best[rows, packed] = min(took, best.get((rows, packed), took))
+    stock = {rows: best[rows, False] * 1e3 for rows in sizes}
+    packed = {rows: best[rows, True] * 1e3 for rows in sizes}
+    return min_rows_from(stock, packed), {"stock": stock, "packed": packed}
 
 
 def bound_caches() -> None:

@@ -1,5 +1,7 @@
-"""The batch width ``--batch-size auto`` measured, remembered on this machine: the same command runs at the same
-width run after run, so that its rows are the same too (a bfloat16 row depends on its batch's layout: README).
+"""What a job measured of this machine, remembered: the batch width ``--batch-size auto`` measured, so that the same
+command runs at the same width run after run and its rows are the same too (a bfloat16 row depends on its batch's
+layout: README), and the rows from which ``--kernels auto`` packs a model's linears (``kernels.measure_min_rows``),
+so that a given input size takes the same kernel run after run.
 
 One JSON file in the tool's cache directory (``models.cache_dir()``), keyed by the machine, the model and the job's
 shape, written whole through a temporary file and a rename, never through a symlink. A cache only: a file that
@@ -34,25 +36,21 @@ def machine(device: str) -> dict:
     return {"device": device, "processor": name, "cores": os.cpu_count()}
 
 
-class WidthMemory:
-    """Widths measured before, by (the machine and model facts given here, the job's facts given at each call)."""
+class MachineMemory:
+    """Entries measured before, by (the machine and model facts given here, the facts given at each call)."""
 
     def __init__(self, path: Path, facts: dict):
         self.path, self.facts = path, facts
 
-    def recall(self, job: dict) -> tuple[int, dict[int, float]] | None:
-        """(width, rates by width) measured before for this job's shape, or None."""
-        entry = self._read().get(self._key(job))
-        try:
-            return int(entry["width"]), {int(w): float(r) for w, r in entry["rates"].items()}
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
+    def get(self, job: dict):
+        """The entry remembered for ``job``, or None."""
+        return self._read().get(self._key(job))
 
-    def remember(self, job: dict, width: int, rates: dict[int, float]) -> None:
+    def put(self, job: dict, entry) -> None:
         entries = self._read()
         key = self._key(job)
         entries.pop(key, None)
-        entries[key] = {"width": width, "rates": {str(w): r for w, r in rates.items()}}
+        entries[key] = entry
         entries = dict(list(entries.items())[-MAX_ENTRIES:])
         parent = self.path.parent
         if self.path.is_symlink() or (self.path.exists() and not self.path.is_file()):
@@ -80,3 +78,18 @@ class WidthMemory:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+
+class WidthMemory(MachineMemory):
+    """Widths measured before, by (the machine and model facts given here, the job's facts given at each call)."""
+
+    def recall(self, job: dict) -> tuple[int, dict[int, float]] | None:
+        """(width, rates by width) measured before for this job's shape, or None."""
+        entry = self.get(job)
+        try:
+            return int(entry["width"]), {int(w): float(r) for w, r in entry["rates"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def remember(self, job: dict, width: int, rates: dict[int, float]) -> None:
+        self.put(job, {"width": width, "rates": {str(w): r for w, r in rates.items()}})
