@@ -390,7 +390,9 @@ def _attend(module, query, key, value, attention_mask, dropout: float = 0.0, sca
                                                                dropout_p=dropout, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     query = query.reshape(batch, heads // n_rep, n_rep * q_len, dim)
-    mask = attention_mask.repeat(1, 1, n_rep, 1)  # row r*q + i of the folded query is query row i
+    # row r*q + i of the folded query is query row i; one query row's mask broadcasts (a copy cost as much as
+    # the attention itself at batch 1: 131 us against 70 for one layer, the same numbers)
+    mask = attention_mask if q_len == 1 else attention_mask.repeat(1, 1, n_rep, 1)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
