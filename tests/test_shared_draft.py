@@ -62,6 +62,26 @@ def test_head_scores_its_tokens_and_rules_out_the_rest(target, tokenizer, tmp_pa
     assert (path / "model.safetensors").stat().st_size < 2 * sum(p.numel() for p in draft.model.layers.parameters()) + 4096
 
 
+def test_every_weight_of_a_loaded_draft_is_the_file_s_or_the_target_s(target, tokenizer, tmp_path):
+    """The loader builds the draft without a random init (every weight is loaded or borrowed): none is left as it was
+    allocated, and its buffers (rotary frequencies) are those of a model built the usual way."""
+    from safetensors.torch import load_file
+
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", torch.arange(0, len(tokenizer), 3), layers=2)
+    draft = models.load_draft(str(path), loaded(target, tokenizer)).model
+    saved = load_file(str(path / "model.safetensors"))
+    for name, param in draft.named_parameters():
+        if name.startswith("model.embed_tokens."):
+            assert param is target.get_input_embeddings().weight
+        elif name.startswith("lm_head."):
+            assert torch.equal(param, target.get_output_embeddings().weight[saved["head_ids"].long()])
+        else:
+            assert torch.equal(param, saved[name].to(param.dtype)), name
+    usual = dict(LlamaForCausalLM(draft.config).named_buffers())
+    buffers = {name: b for name, b in draft.named_buffers() if name in usual}
+    assert buffers and all(torch.equal(b, usual[name].to(b.dtype)) for name, b in buffers.items())
+
+
 def test_refused_for_a_target_with_other_embeddings(target, tokenizer, tmp_path):
     path = write_shared_draft(target, tokenizer, tmp_path / "draft", torch.arange(40))
     other = make_tiny_llama(len(tokenizer), seed=5)
