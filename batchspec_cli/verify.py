@@ -34,7 +34,7 @@ from .io.jsonl import JSONL_SUFFIXES
 from .io.prompts import render_prompt
 from .io.row_settings import OVERRIDES, row_value
 from .models import loading as models
-from .models.kernels import memory_available
+from .models.kernels import free_memory
 from .store.outputs import read_completions, read_run_metadata
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
@@ -273,8 +273,7 @@ class Float64:
         """(the reference token's float64 logit minus the run token's, the larger of their magnitudes) after ``ids``."""
         if self.copy is None and not self.failed:
             need = 8 * sum(p.numel() for p in self.model.parameters())
-            device = next(self.model.parameters()).device
-            free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else memory_available())
+            free = free_memory(next(self.model.parameters()).device)
             try:
                 if free is None or need > free // 2:
                     raise torch.OutOfMemoryError

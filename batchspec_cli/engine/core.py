@@ -475,11 +475,9 @@ class Engine:
         return min(times[1:])
 
     def _free_memory(self) -> int | None:
-        if self.device.type == "cuda":
-            return torch.cuda.mem_get_info(self.device)[0]
-        from ..models.kernels import memory_available
+        from ..models.kernels import free_memory
 
-        return memory_available()
+        return free_memory(self.device)
 
     def _check(self, req: Request) -> str | None:
         if not req.prompt_ids:

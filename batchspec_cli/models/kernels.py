@@ -238,6 +238,13 @@ def memory_available() -> int | None:
         return None
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes ``device`` can still give: a GPU's free memory, else this machine's (``memory_available``)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return memory_available()
+
+
 def packed_layers(model: nn.Module) -> int:
     """How many ``PackedLinear`` layers ``model`` holds."""
     return sum(isinstance(m, PackedLinear) for m in model.modules())
