@@ -289,7 +289,7 @@ class ScheduledArms(Arms):
         super().__init__()
         self.rng, self.left = random.Random(seed), 0
 
-    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None):
         self.left -= 1
         if self.left > 0:
             return None

@@ -263,3 +263,48 @@ def test_the_plain_arm_asks_for_no_calibration_and_no_draft_prefill():
     assert choice.k == 0 and choice.arm == PLAIN
     policy.arms.arm = SPEC
     assert policy.wants_seed()
+
+
+def drive_rows(spec_windows: list[float], windows: int) -> list[str]:
+    """``drive`` at batch 1, where a window is about one row: PLAIN commits 100 tokens/s on every row, SPEC's n-th
+    window ``spec_windows[n]`` x that (its row's acceptance), cycling."""
+    arms, ran, n, shares = Arms(), [], 0, itertools.cycle(spec_windows)
+    share = next(shares)
+    while len(ran) < windows:
+        arm = arms.arm
+        if arms.record((100.0 * share if arm == SPEC else 100.0) * ROUND_S, ROUND_S) is not None:
+            ran.append(arm)
+            share = next(shares) if arm == SPEC else share
+        n += 1
+    return ran
+
+
+def test_a_trial_lost_on_a_hard_row_does_not_push_the_next_trial_away_while_the_arm_is_ahead_over_its_trials():
+    """SPEC's windows alternate an easy row (1.5x PLAIN) and a hard one (0.9x): every trial wins its first window and
+    loses its second, so it never takes over by two wins in a row. Its record over the trials (1.2x) is ahead, so the
+    wait before each next trial stays FIRST_RETEST instead of doubling; an arm behind over its trials (0.9x, 0.8x)
+    still waits twice as long each time."""
+    ahead = trials(drive_rows([1.5, 0.9], 60), SPEC)
+    gaps = [b - (a + n) for (a, n), (b, _) in zip(ahead, ahead[1:])]
+    assert all(n == 2 for _, n in ahead) and gaps and set(gaps) == {FIRST_RETEST}
+    behind = trials(drive_rows([0.9, 0.8], 60), SPEC)
+    gaps = [b - (a + n) for (a, n), (b, _) in zip(behind, behind[1:])]
+    assert gaps[:3] == [FIRST_RETEST, 2 * FIRST_RETEST, 4 * FIRST_RETEST]
+
+
+def test_windows_are_judged_by_worth_so_a_longer_context_does_not_lose_a_trial():
+    """SPEC's trial runs where a plain step takes twice as long (longer rows): at 60 tokens/s against PLAIN's 100
+    earlier it loses by rate, but its tokens are worth 1.2x a plain step's there, so judged by worth it wins and
+    takes over; judged by rate it never does."""
+    def run(with_worth: bool) -> list[str]:
+        arms, ran = Arms(), []
+        while len(ran) < 6:
+            arm = arms.arm
+            tokens, plain_s = (100.0, 0.01) if arm == PLAIN else (60.0, 0.02)  # per second; a plain step per token
+            worth = tokens * ROUND_S * plain_s if with_worth else None
+            if arms.record(tokens * ROUND_S, ROUND_S, worth=worth) is not None:
+                ran.append(arm)
+        return ran
+
+    assert run(True)[:3] == [PLAIN, SPEC, SPEC] and run(True)[-1] == SPEC
+    assert run(False).count(SPEC) == 1  # one trial, cut at half a window, and re-tested only after 6 windows

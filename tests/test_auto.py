@@ -123,7 +123,7 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     """A PLAIN round's wall clock loses the draft prefills made before it; SPEC's next round carries them."""
     auto = Auto(5)
     seen = []
-    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0: seen.append(seconds)
+    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0, worth=None: seen.append(seconds)
     plain = dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.05)
     auto.observe(plain)
     auto.observe(plain)
@@ -138,7 +138,7 @@ def test_spec_fills_the_pool_only_while_most_of_its_rounds_speculate():
     its recent rounds speculate; plain steps under SPEC close it within a window, speculating rounds reopen it;
     PLAIN's rounds and a SPEC trial never fill it."""
     auto = Auto(5)
-    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0: None
+    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0, worth=None: None
     assert not auto.wants_pool()  # PLAIN holds
     auto.arms.arm = SPEC
     assert not auto.wants_pool()  # a SPEC trial runs on the batch in flight
@@ -588,3 +588,38 @@ def test_a_broken_rule_fails_the_statistical_test(small_pair, monkeypatch, broke
         monkeypatch.setattr(sampling, "noise_base", lambda keys, positions: real(keys, positions * 0))
     tv, bound, _ = sampled_tv(target, draft, Sampling(temperature=0.7, top_p=0.9, seed=5), 2 ** 15)
     assert tv > bound, (tv, bound)
+
+
+def test_a_drafter_that_keeps_missing_on_a_row_is_dropped_there_within_four_rounds():
+    """The job's other rows accept every draft (job-wide acceptance near 1). A row that refuses its first draft four
+    rounds in a row is, by its own estimate, under 0.1 (the job-wide prior's weight halves at every miss in a row;
+    a fixed weight of 4 kept it above 0.5), so a 2-token verify that costs 1.2 plain steps is no longer chosen for it;
+    one accepted draft gives the prior its weight back."""
+    policy = Goodput(1)
+    policy.seed(Calibration(1, CONTEXT, {1: 0.1, 2: 0.12}, None))
+    for r in range(1, 9):
+        for _ in range(20):
+            policy.acceptance.observe(("ngram", r), 4, 4)
+    offer = {"ngram": Offer([4])}
+    assert policy.choose(Group([0], CONTEXT, 100.0), offer).k == 1  # a new row: the job's estimate
+    for miss in range(4):
+        policy.acceptance.observe(("ngram", 0), 4, 0)
+    assert policy.acceptance.row(("ngram", 0)) < 0.1
+    assert policy.choose(Group([0], CONTEXT, 100.0), offer).k == 0
+    policy.acceptance.observe(("ngram", 0), 4, 2)
+    assert policy.acceptance.row(("ngram", 0)) > 0.5
+
+
+def test_auto_judges_a_round_by_what_plain_steps_of_its_batch_at_its_context_take_for_its_tokens():
+    auto = Auto(5)
+    assert auto.worth(report(4, "", 0, 0.3, tokens=4)) == pytest.approx(0.3)  # nothing measured: its own seconds
+    for _ in range(3):
+        auto.observe(report(4, "", 0, 0.2, tokens=4, arm=PLAIN))  # PLAIN's batch of 4: 0.05 s a row
+    assert auto.worth(report(4, "model", 3, 0.5, tokens=10)) == pytest.approx(10 * 0.2 / 4)
+    for _ in range(3):
+        auto.observe(report(2, "", 0, 0.16, tokens=2))  # a smaller group's plain step: dearer per row
+    assert auto.worth(report(2, "model", 3, 0.5, tokens=10)) == pytest.approx(10 * 0.2 / 4)  # still PLAIN's ruler
+    longer = report(4, "", 0, 0.4, tokens=4, context=8 * CONTEXT)
+    for _ in range(40):
+        auto.observe(longer)
+    assert auto.worth(report(4, "lookup", 2, 0.6, tokens=7, context=8 * CONTEXT)) == pytest.approx(7 * 0.4 / 4, rel=0.01)

@@ -201,11 +201,11 @@ class _SpecWins(_SpecTrial):
         super().__init__()
         self.left = after
 
-    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None):
         self.left -= 1
         if self.left == 0:
             self.incumbent = control.SPEC
-        return super().record(tokens, seconds, tokens_left, admit_s)
+        return super().record(tokens, seconds, tokens_left, admit_s, worth)
 
 
 class _Speculating(control.Goodput):

@@ -31,7 +31,11 @@ PRIOR_ALPHA = 0.5  # per-token acceptance assumed before anything was measured
 # forced text (measured on SmolLM2: 144 of 144 accepted, docs/history.md)
 DRAFTER_PRIORS = {"grammar": 0.95}
 FORCED = ("grammar",)  # drafters whose drafts are the target's own choice: PLAIN takes them too (``Auto._plain``)
-PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence
+PRIOR_WEIGHT = 4.0  # the prior counts as this many drafted tokens of a row's evidence ...
+# ... halved by every round in a row whose first draft the row refused: a drafter that keeps missing on a row is
+# dropped there within about three rounds however well it does on the job's other rows (the job-wide estimate, raised
+# by easy rows, kept k = 3 drafts at an expected goodput near 1 on a row that refused them: docs/history.md)
+MISS_STREAK_CAP = 8
 DECAY = 0.9  # a row's evidence weight per round: recent rounds count more
 TIME_EMA = 0.2  # weight of a new timing in the moving averages
 EXPLORE_EVERY = 25  # rounds of a group size between two re-measurements of a near-best option
@@ -49,7 +53,11 @@ WINDOW_ROUNDS = 10  # a window has at least this many rounds ...
 WINDOW_SECONDS = 2.0  # ... and lasts at least this long (wall clock)
 SUB_WINDOWS = 5  # a window's rate: the median of this many consecutive slices (one stall cannot decide)
 MARGIN = 1.03  # a challenger takes over when two windows in a row beat the incumbent's last one by this
-FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses
+FIRST_RETEST = 4  # incumbent windows before a losing arm is re-tested; doubles every time it loses ...
+# ... unless the arm's record over its trials (each trial window's gain over the incumbent's, the earlier trials'
+# weighing this share less at every new trial) is at least the incumbent's: then that trial lost on the rows it ran
+# on (at batch 1 a window is about one row, and SPEC's gain is that row's acceptance), not on the arm
+RECORD_DECAY = 0.5
 CUT_AT = 0.5  # a challenger's window that has this share of its rounds and seconds ...
 CUT_BELOW = 0.8  # ... and measures under this share of the incumbent's rate ends there: a clear loss
 TRIAL_ROUNDS = 2 * WINDOW_ROUNDS  # the rounds a SPEC trial is sure to run: a catch-up is charged over these
@@ -184,7 +192,7 @@ class Acceptance:
 
     def __init__(self, prior: float = PRIOR_ALPHA, weight: float = PRIOR_WEIGHT, decay: float = DECAY):
         self.prior, self.weight, self.decay = prior, weight, decay
-        self.rows: dict[int, dict[str, list[float]]] = {}  # row -> drafter -> [accepted, decided], decayed
+        self.rows: dict[int, dict[str, list[float]]] = {}  # row -> drafter -> [accepted, decided, misses], decayed
         self.jobs: dict[str, list[float]] = {}  # drafter -> [accepted, decided] over the job, slowly decayed
 
     def job(self, name: str = "model") -> float:
@@ -193,16 +201,18 @@ class Acceptance:
 
     def row(self, key: tuple[str, int]) -> float:
         name, row = key
-        accepted, decided = self.rows.get(row, {}).get(name, (0.0, 0.0))
-        return (accepted + self.job(name) * self.weight) / (decided + self.weight)
+        accepted, decided, misses = self.rows.get(row, {}).get(name, (0.0, 0.0, 0))
+        weight = self.weight / 2 ** misses  # rounds in a row whose first draft was refused: the row's own say
+        return (accepted + self.job(name) * weight) / (decided + weight)
 
     def observe(self, key: tuple[str, int], drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
         name, row = key
         decided = accepted + (accepted < drafted)
-        mine = self.rows.setdefault(row, {}).setdefault(name, [0.0, 0.0])
+        mine = self.rows.setdefault(row, {}).setdefault(name, [0.0, 0.0, 0])
         mine[0], mine[1] = self.decay * mine[0] + accepted, self.decay * mine[1] + decided
+        mine[2] = min(mine[2] + 1, MISS_STREAK_CAP) if accepted == 0 else 0
         job = self.jobs.setdefault(name, [0.0, 0.0])
         job[0], job[1] = JOB_DECAY * job[0] + accepted, JOB_DECAY * job[1] + decided
 
@@ -263,6 +273,10 @@ class Timings:
             seconds *= self.get(group, context, self.reference) / self._at(reference[near], group)
         return seconds
 
+    def widest(self, option) -> int:
+        """The largest group size ``option`` was measured at, in any context band (0: never measured)."""
+        return max((size for row in self.table.get(option, {}).values() for size in row), default=0)
+
     @staticmethod
     def _at(row: dict[int, float], group: int) -> float:
         """One band's seconds at ``group``: measured, interpolated between group sizes, or proportional outside."""
@@ -283,31 +297,43 @@ class Timings:
 
 @dataclass
 class Window:
-    """One arm's rounds between two decisions: (tokens, seconds) per round."""
+    """One arm's rounds between two decisions: (tokens, seconds, worth) per round. ``worth``: what the round's
+    tokens are worth in the unit the arms are compared in (``Arms.record``)."""
 
     arm: str
     tokens: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    worth: list[float] = field(default_factory=list)
 
     def full(self, share: float = 1.0) -> bool:
         return len(self.tokens) >= share * WINDOW_ROUNDS and sum(self.seconds) >= share * WINDOW_SECONDS
 
     def rate(self) -> float:
         """Committed tokens per second: the median over ``SUB_WINDOWS`` consecutive slices of the rounds."""
-        n, parts = len(self.tokens), min(SUB_WINDOWS, len(self.tokens))
+        return self._median(self.tokens)
+
+    def gain(self) -> float:
+        """Worth per second, the same median of slices: what the arms are judged by."""
+        return self._median(self.worth)
+
+    def _median(self, values: list[float]) -> float:
+        n, parts = len(values), min(SUB_WINDOWS, len(values))
         cuts = [round(i * n / parts) for i in range(parts + 1)]
-        return statistics.median(sum(self.tokens[a:b]) / max(sum(self.seconds[a:b]), 1e-9)
-                                 for a, b in zip(cuts, cuts[1:]))
+        return statistics.median(sum(values[a:b]) / max(sum(self.seconds[a:b]), 1e-9) for a, b in zip(cuts, cuts[1:]))
 
 
 class Arms:
-    """Which whole policy runs, PLAIN or SPEC, judged by committed tokens per wall second over windows.
+    """Which whole policy runs, PLAIN or SPEC, judged over windows by what their rounds' tokens are worth per wall
+    second: for ``Auto`` the seconds a plain step at the same group size and context takes for them (each round
+    against PLAIN at the same context: a window on longer rows or a smaller group is not slower for that), told
+    to ``record``; without it committed tokens per second.
 
     The *incumbent* runs until its wait is over; then the other arm (the *challenger*) runs a
     trial: one window, and a second one when the first beat the incumbent's adjacent window
     by ``MARGIN``. Two such wins in a row and the challenger takes over (one lucky window,
     or one slow incumbent window, is not enough); otherwise the incumbent resumes and waits
-    twice as long as last time before the next trial. A challenger's window ends at half its
+    twice as long as last time before the next trial, unless the arm's record over its trials
+    (``RECORD_DECAY``) is at least the incumbent's, when the wait stays. A challenger's window ends at half its
     length (``CUT_AT``) when it measures under ``CUT_BELOW`` of the incumbent's rate so far
     (the same median of slices): a clear loss. A trial whose wait is over starts only when it
     is ``affordable``; until then the incumbent runs on, window after window.
@@ -319,10 +345,12 @@ class Arms:
         self.wait = 1  # incumbent windows left before the next trial (SPEC is first tried after one)
         self.interval = FIRST_RETEST  # the wait after the next lost trial
         self.trial = 0  # challenger windows run in the current trial
-        self.baseline = 0.0  # the incumbent's latest window rate
+        self.baseline = 0.0  # the incumbent's latest window gain (``Window.gain``)
+        self.pace = 0.0  # the incumbent's latest window rate, committed tokens per second
+        self.record_of: dict[str, list[float]] = {}  # arm -> [sum of weighted gain / baseline, sum of weights]
         self.window = Window(PLAIN)
-        self.windows: list[tuple[str, float]] = []  # (arm, measured rate) of every closed window
-        self.spec_hopeful = False  # a window of SPEC's latest trial measured at least the incumbent PLAIN's rate
+        self.windows: list[tuple[str, float]] = []  # (arm, measured gain) of every closed window
+        self.spec_hopeful = False  # a window of SPEC's latest trial measured at least the incumbent PLAIN's gain
         # A trial's price (``affordable``); share None: trials start whenever their wait is over.
         self.share = share
         self.round_s = 0.0  # the median round of the incumbent's latest window (an admission's prefill is no round)
@@ -330,8 +358,11 @@ class Arms:
         self.spent = [0, 0.0]  # the current trial's tokens and seconds, all its windows
         self.price: dict[str, float] = {}  # per arm: what its last lost trial cost, in seconds (``affordable``)
 
-    def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0) -> float | None:
-        """One round of the running arm; returns the window's rate when this round closes it. ``tokens_left``: the
+    def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0,
+               worth: float | None = None) -> float | None:
+        """One round of the running arm; returns the window's rate (tokens/s) when this round closes it. ``worth``:
+        what the round's tokens are worth, in one unit for every round (None: the tokens themselves, so windows are
+        judged by their rate). ``tokens_left``: the
         most tokens the job has left after it, rows in flight and rows to come (None: unknown). ``admit_s``: of
         ``seconds``, the target's prefills of rows admitted before the round. They count neither in the window nor
         in a trial's price: whichever arm runs, a row is prefilled once, and where one lands decides nothing about
@@ -342,19 +373,22 @@ class Arms:
         seconds -= admit_s  # the arm's own seconds: a row's prefill is the same work whichever arm runs
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
+        self.window.worth.append(tokens if worth is None else worth)
         if self.arm != self.incumbent:
             self.spent[0] += tokens
             self.spent[1] += seconds
         full = self.window.full()
         if not full and (self.arm == self.incumbent or not self.window.full(CUT_AT)):
             return None
-        rate = self.window.rate()
-        if not full and rate >= CUT_BELOW * self.baseline:  # a trial clearly behind ends at CUT_AT: a clear loss
+        gain = self.window.gain()
+        if not full and gain >= CUT_BELOW * self.baseline:  # a trial clearly behind ends at CUT_AT: a clear loss
             return None
-        self.windows.append((self.arm, rate))
+        rate = self.window.rate()
+        self.windows.append((self.arm, gain))
         if self.arm == self.incumbent:
             self.round_s = statistics.median(self.window.seconds)
-        self._decide(rate)
+            self.pace = rate
+        self._decide(gain)
         self.window = Window(self.arm)
         return rate
 
@@ -365,33 +399,40 @@ class Arms:
         arm's last lost trial measurably cost, or for a first SPEC trial its calibration (``TRIAL_PRICE`` rounds)
         and half a window at ``CUT_BELOW`` of the incumbent's rate (a first PLAIN trial prepares nothing). A short
         job is not spent on a trial a long one would amortise."""
-        if self.share is None or self.tokens_left is None or self.baseline <= 0 or self.round_s <= 0:
+        if self.share is None or self.tokens_left is None or self.pace <= 0 or self.round_s <= 0:
             return True
-        time_left = self.tokens_left / self.baseline
+        time_left = self.tokens_left / self.pace
         window_s = max(WINDOW_SECONDS, WINDOW_ROUNDS * self.round_s)
         if time_left < TRIAL_ROOM * window_s:
             return False
         first = TRIAL_PRICE * self.round_s + CUT_AT * (1 - CUT_BELOW) * window_s if arm == SPEC else 0.0
         return self.price.get(arm, first) <= self.share * time_left
 
-    def _decide(self, rate: float) -> None:
+    def _decide(self, gain: float) -> None:
         other = SPEC if self.incumbent == PLAIN else PLAIN
         if self.arm == self.incumbent:
-            self.baseline = rate
+            self.baseline = gain
             self.wait -= 1
             if self.wait <= 0 and self.affordable(other):
                 self.arm, self.trial, self.spent = other, 0, [0, 0.0]
+                if other in self.record_of:  # a new trial: the earlier ones weigh less
+                    self.record_of[other] = [RECORD_DECAY * part for part in self.record_of[other]]
             return
         self.trial += 1
+        record = self.record_of.setdefault(self.arm, [0.0, 0.0])
+        record[0], record[1] = record[0] + gain / max(self.baseline, 1e-12), record[1] + 1.0
         if self.arm == SPEC:
-            self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or rate >= self.baseline
-        if rate < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
+            self.spec_hopeful = (self.trial > 1 and self.spec_hopeful) or gain >= self.baseline
+        if gain < MARGIN * self.baseline:  # no clear win: the incumbent resumes, the next trial comes later
             tokens, seconds = self.spent  # the loss: seconds beyond what the incumbent takes for the trial's tokens
-            self.price[self.arm] = max(0.0, seconds - tokens / self.baseline)
-            self.arm, self.wait, self.interval = self.incumbent, self.interval, 2 * self.interval
+            self.price[self.arm] = max(0.0, seconds - tokens / self.pace) if self.pace > 0 else 0.0
+            level = record[0] >= record[1]  # its record over the trials: at least the incumbent's
+            self.arm, self.wait = self.incumbent, self.interval
+            self.interval = self.interval if level else 2 * self.interval
         elif self.trial >= 2:  # a clear win twice: the challenger takes over, the loser is re-tested later
-            self.incumbent, self.baseline = self.arm, rate
+            self.incumbent, self.baseline, self.pace = self.arm, gain, self.window.rate()
             self.wait, self.interval = FIRST_RETEST, 2 * FIRST_RETEST
+            self.record_of.pop(self.arm, None)
 
 
 # ---------------------------------------------------------------------------- the policies
@@ -649,7 +690,18 @@ class Auto:
         else:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
             self.drafting += DRAFTING_EMA * ((report.choice.k > 0) - self.drafting)
-        return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s)
+        return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s, self.worth(report))
+
+    def worth(self, report: RoundReport) -> float:
+        """What the round's tokens are worth: the seconds plain steps at the round's context take for them, at the
+        widest group plain steps were measured at (``Timings``: PLAIN's batch; its rounds and SPEC's plain ones
+        measure it). So both arms are judged by one ruler that depends on the context alone, whichever rows and
+        lengths their windows happened to run on, and a SPEC round that groups fewer rows than PLAIN's batch is
+        not credited with a small group's dearer plain step. Before any plain step is measured, the round's own
+        seconds (a gain of 1)."""
+        width = self.spec.rounds.widest(("", 0))
+        plain = self.spec.rounds.get(width, report.context, ("", 0)) if width else None
+        return report.tokens * plain / width if plain else report.seconds
 
 
 # -- the batch width (--batch-size auto) ------------------------------------------------------------------------
