@@ -203,8 +203,10 @@ def generate(
     threads: ThreadsOpt = DEFAULT.threads,
     kernels: Annotated[str, typer.Option("--kernels", help="auto | stock | packed: on a CPU in float32 or "
                                          "bfloat16, linear layers with oneDNN-prepacked weights (faster verifies "
-                                         "and batched steps; twice the weight memory). auto: packed when the "
-                                         "copies take at most half the free memory.")] = DEFAULT.kernels,
+                                         "and batched steps; twice the weight memory) and batchspec's own "
+                                         "attention kernels (built once per machine; SDPA where they cannot be). "
+                                         "auto: packed when the copies take at most half the free memory; stock: "
+                                         "neither.")] = DEFAULT.kernels,
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "
                                       "pip install 'batchspec\\[ray]'). Connects to --ray-address, else to "
                                       "RAY_ADDRESS, else starts a local Ray on this machine.")] = DEFAULT.ray,

@@ -9,8 +9,9 @@ Shapes: 9 query heads sharing 3 key/value heads of 64 dimensions (SmolLM2-135M),
   ran, without its padding);
 - decode: 32 rows of one query each against L cached columns with an additive mask (50 columns of padding masked):
   stock SDPA with grouped-query heads (what a one-token forward ran before), the folded kernel itself
-  (``attention._attend``: the query heads that share a key/value head as one query of 3 rows, what it runs now), and
-  scores taken by a matmul in the inputs' dtype (faster, but the scores are rounded to that dtype first).
+  (``attention._attend``: the query heads that share a key/value head as one query of 3 rows, what ``--kernels stock``
+  runs), batchspec's own kernel (``models/native.py``, what ``--kernels auto`` runs on a CPU), and scores taken by a
+  matmul in the inputs' dtype (faster, but the scores are rounded to that dtype first).
 
 Each time is the best of ``--reps`` calls after one warm-up; ``err`` is the largest difference from float64 SDPA on
 the same inputs. A table for people, then one JSON line for machines.
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batchspec_cli.models import native  # noqa: E402
 from batchspec_cli.models.attention import _attend  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -73,12 +75,18 @@ def decode(length: int, rows: int, dtype: torch.dtype, reps: int) -> dict[str, t
     def folded():  # [rows, 1, heads, dim]
         return _attend(layer, q, k, v, mask, scaling=DIM ** -0.5)[0].transpose(1, 2)
 
+    kernel = native.load().attend
+
+    def own():
+        return native.attend(kernel, q, k, v, mask, DIM ** -0.5).transpose(1, 2)
+
     def matmul_scores():
         scores = (folded_q @ k.transpose(-1, -2)).float() * DIM ** -0.5 + mask
         return scores.softmax(-1).to(dtype) @ v
 
     out = {}
-    for name, fn in (("stock", stock), ("folded", folded), ("matmul scores", matmul_scores)):
+    kernels = [("stock", stock), ("folded", folded)] + ([("batchspec", own)] if kernel is not None else [])
+    for name, fn in kernels + [("matmul scores", matmul_scores)]:
         err = float((fn().reshape(rows, HEADS, 1, DIM).double() - exact).abs().max())
         out[name] = (best_ms(fn, reps), err)
     return out

@@ -10,7 +10,7 @@ import torch
 
 from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle
 from batchspec_cli.engine.events import Request, RowResult
-from batchspec_cli.models import kernels
+from batchspec_cli.models import kernels, native
 from conftest import TINY_VOCAB_SIZE, greedy_reference, make_tiny_llama, malloc_in_use, perturbed_copy
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this PyTorch has no oneDNN")
@@ -125,10 +125,14 @@ def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch
     free = kernels.memory_available()
     assert free is None or free > 0
 
+    built = native.load()
+    built.news()  # the build's note comes once a process: whichever test packs first shows it
     monkeypatch.setattr(kernels, "memory_available", lambda: 2 * weights)
     model = tiny()
     assert use_kernels("auto", _Loaded(model), None) == ("packed", [])
     assert kernels.packed_layers(model) > 0
+    layers = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    assert layers and all(hasattr(m, native.ATTRIBUTE) == (built.attend is not None) for m in layers)
 
     monkeypatch.setattr(kernels, "memory_available", lambda: 2 * weights - 1)
     model = tiny()
@@ -139,6 +143,7 @@ def test_auto_kernels_pack_float32_cpu_models_when_the_memory_allows(monkeypatch
 
     model = tiny()
     assert use_kernels("stock", _Loaded(model)) == ("stock", []) and kernels.packed_layers(model) == 0
+    assert not any(hasattr(m, native.ATTRIBUTE) for m in model.modules())
     float64 = make_tiny_llama(TINY_VOCAB_SIZE, seed=0)
     assert use_kernels("auto", _Loaded(float64)) == ("stock", [])
     ran, notes = use_kernels("packed", _Loaded(float64))

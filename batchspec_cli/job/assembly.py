@@ -57,9 +57,10 @@ class LazyDraft:
             if draft.model.device != self.target.model.device:
                 raise models.ModelError("draft and target ended up on different devices")
             if self.packed:
-                from ..models import kernels
+                from ..models import kernels, native
 
                 kernels.prepack(draft.model)
+                native.attach(draft.model)
                 if self.tuning is not None:
                     tune_kernels(draft, self.tuning)
             self.loaded = draft
@@ -168,7 +169,21 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
         for model in loaded:
             if model is not None:
                 tune_kernels(model, tuning)
-    return "packed", []
+    return "packed", attach_attention(present)
+
+
+def attach_attention(present: list) -> list[str]:
+    """Give the packed CPU models batchspec's attention kernel for short queries (``native``); a note for the user
+    the first time in a process when it was built now (once per machine) or cannot be."""
+    from ..models import native
+
+    wanted = [model for model in present if native.wants(model)]
+    if not wanted:
+        return []
+    built = native.load()
+    for model in wanted:
+        native.attach(model)
+    return built.news()
 
 
 def kernel_memory(target: models.LoadedModel) -> widths.MachineMemory:

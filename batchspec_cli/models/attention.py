@@ -57,6 +57,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import native
+
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_TYPES = (FULL, SLIDING, CHUNKED)  # what the masks here can express
 
@@ -320,12 +322,18 @@ def packed_forward(model, cache, cache_kwarg: str, tokens: torch.Tensor, pieces:
 _packing = threading.local()  # the running packed forward's Packing, read by _folded_sdpa (one forward per thread)
 
 
-def _packed_attend(query, key, value, packing: Packing, scaling: float | None) -> torch.Tensor:
+def _packed_attend(query, key, value, packing: Packing, scaling: float | None, kernel=None) -> torch.Tensor:
     """Each piece's queries against its own keys: causal when its keys are its new columns, else causal from the
-    bottom right (the query at new column i sees every earlier column and the new ones up to i)."""
+    bottom right (the query at new column i sees every earlier column and the new ones up to i). ``kernel``: the
+    model's own causal kernel (``native.causal``), where it applies; else SDPA."""
     outs = []
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     for q0, q1, k0, k1 in packing.spans:
         q, k, v = query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]
+        own = native.causal(kernel, q, k, v, scale)
+        if own is not None:
+            outs.append(own.transpose(0, 1)[None])  # [1, H, n, D], as SDPA's
+            continue
         if k1 - k0 == q1 - q0:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                                    enable_gqa=True)
@@ -362,7 +370,8 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     """
     packing = getattr(_packing, "value", None)
     if packing is not None:
-        return _packed_attend(query, key, value, packing, scaling), None
+        built = getattr(module, native.ATTRIBUTE, None)
+        return _packed_attend(query, key, value, packing, scaling, built.causal if built is not None else None), None
     spans = getattr(_spans, "value", None)
     if spans is not None and attention_mask is not None and attention_mask.dim() == 4 \
             and spans[-1][1] == query.shape[0] == key.shape[0] and not kwargs.get("position_bias"):
@@ -376,6 +385,16 @@ def _attend(module, query, key, value, attention_mask, dropout: float = 0.0, sca
             is_causal: bool | None = None, **kwargs):
     n_rep = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, dim = query.shape
+    built = getattr(module, native.ATTRIBUTE, None)  # a CPU model's own kernels (native.attach)
+    kernel = built.attend if built is not None else None
+    if (kernel is not None and q_len <= native.MAX_QUERY and dropout == 0.0 and attention_mask is not None
+            and attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] in (1, q_len)
+            and query.device.type == "cpu" and query.dtype in native.DTYPES
+            and query.dtype == key.dtype == value.dtype and heads % key.shape[1] == 0
+            and key.shape[-1] == value.shape[-1] == dim
+            and not any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))):
+        return native.attend(kernel, query, key, value, attention_mask,
+                             dim ** -0.5 if scaling is None else scaling), None
     if (n_rep == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
             or (q_len == 1 and query.device.type != "cpu") or key.shape[-1] != value.shape[-1]
             or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))):

@@ -1,0 +1,445 @@
+// batchspec's CPU attention kernels; models/native.py builds them on the user's machine.
+//
+// attend: queries of a few tokens (a decode step, a verify). Per (row, KV head): every query that shares the KV head
+// (its heads x its tokens) is scored against each key column once (float32, the keys converted as read), softmaxed
+// over its allowed columns, and the values summed in column order. Every sum that could depend on where a row's
+// columns start (its padding, so the batch beside it) is taken in column order or in lanes and blocks counted from
+// the query's first allowed column: a row's output does not depend on the rows or padding beside it. A mask value at
+// or below -1e30 (-inf, a dtype's finfo.min) masks its column; a query with no allowed column gets the mean of the
+// values, as SDPA gives for a finite mask.
+//
+// causal: one row's bfloat16 prefill, each query attending to its own keys causally from the bottom right, on a CPU
+// with AVX512-BF16: scores as float32 dot products of bfloat16 pairs (vdpbf16ps), a running max and sum over tiles of
+// key columns, the probabilities rounded to bfloat16 for the product with the values (as SDPA's CPU flash kernel).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define BATCHSPEC_AVX512 1
+#if defined(__AVX512BF16__)
+#define BATCHSPEC_AVX512BF16 1  // the causal prefill kernel: bfloat16 pairs dotted into float32 (vdpbf16ps)
+#endif
+#endif
+
+namespace {
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+constexpr float MASKED = -1e30f;
+constexpr int64_t BLOCK = 32;  // columns of values summed before their sum joins the total
+
+template <typename M>
+inline float mask_add(M m) {
+  if constexpr (std::is_same_v<M, bool>) return m ? 0.f : NEG_INF;
+  else return static_cast<float>(m) <= MASKED ? NEG_INF : static_cast<float>(m);
+}
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+#ifdef BATCHSPEC_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in two parts, p of degree 6; exactly 0 below -87.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+}
+
+// One (row, KV head): scores, softmax and the weighted values, NC = head dim / 16.
+template <int NC, typename T, typename M>
+void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb, int64_t ks, const T* vb,
+                int64_t vs, const M* mb, int64_t mq, int64_t ml, int64_t L, float scale, float* s,
+                float* total, float* acc) {
+  constexpr int D = NC * 16;
+  std::vector<int64_t> first(R, L);
+  for (int64_t j = 0; j < L; ++j) {
+    __m512 k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = load16(kb + j * ks + c * 16);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float add = mask_add(mb[i * mq + j * ml]);
+      for (int64_t h = 0; h < rep; ++h) {
+        const int64_t r = h * Q + i;
+        if (add == NEG_INF) { s[r * L + j] = NEG_INF; continue; }
+        if (first[r] == L) first[r] = j;
+        const float* q = qf + r * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), k[c], a);
+        s[r * L + j] = _mm512_reduce_add_ps(a) * scale + add;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * L;
+    if (first[r] == L) {  // no allowed column: equal weights
+      std::fill(row, row + L, 1.f);
+      first[r] = 0;
+      total[r] = static_cast<float>(L);
+      continue;
+    }
+    float top = NEG_INF;
+    for (int64_t j = first[r]; j < L; ++j) top = std::max(top, row[j]);
+    std::fill(row, row + std::min(first[r], L), 0.f);
+    // summed in lanes counted from the row's first allowed column, so the total does not depend on its padding
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(top);
+    for (int64_t j = first[r]; j < L; j += 16) {
+      const __mmask16 in = L - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (L - j)) - 1);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + j), shift));
+      _mm512_mask_storeu_ps(row + j, in, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(in, e));
+    }
+    total[r] = _mm512_reduce_add_ps(sum);
+  }
+  // The values are summed in blocks of BLOCK columns counted from each query's first allowed column, the blocks'
+  // sums then added in order: the rounding of a sum of ~BLOCK + L / BLOCK terms, not of L.
+  const int64_t from = *std::min_element(first.begin(), first.end());
+  std::fill(acc, acc + R * D, 0.f);
+  constexpr int RG = NC <= 4 ? 4 : 2;
+  for (int64_t r0 = 0; r0 < R; r0 += RG) {
+    const int64_t rn = std::min<int64_t>(RG, R - r0);
+    __m512 a[RG][NC];
+    for (int g = 0; g < RG; ++g)
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
+    auto flush = [&](int g) {
+      float* out = acc + (r0 + g) * D;
+      for (int c = 0; c < NC; ++c) {
+        _mm512_storeu_ps(out + c * 16, _mm512_add_ps(_mm512_loadu_ps(out + c * 16), a[g][c]));
+        a[g][c] = _mm512_setzero_ps();
+      }
+    };
+    for (int64_t j = from; j < L; ++j) {
+      __m512 v[NC];
+      bool loaded = false;
+      for (int g = 0; g < rn; ++g) {
+        const int64_t into = j - first[r0 + g];
+        if (into > 0 && into % BLOCK == 0) flush(g);
+        const float p = s[(r0 + g) * L + j];
+        if (p == 0.f) continue;
+        if (!loaded) {
+          for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * vs + c * 16);
+          loaded = true;
+        }
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pv, v[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < rn; ++g) flush(g);
+  }
+}
+#endif
+
+#ifdef BATCHSPEC_AVX512BF16
+inline uint16_t bf16_bits(float f) {  // round to nearest even, as c10 does
+  return c10::BFloat16(f).x;
+}
+constexpr int QB = 16;  // query rows per block of a causal prefill
+constexpr int64_t T = 256;  // key columns per tile: the tile's K, V and scores stay in L1/L2
+
+// One (KV head): all its query heads' rows, causal from the bottom right (query i sees keys 0 .. shift + i).
+// K of one KV head as 16-column blocks of [pair][column] words, V as [column pair][d] words: what vdpbf16ps takes.
+template <int NP>
+void pack_kv(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t nk, int64_t nk2, uint32_t* kp,
+             uint32_t* vp) {
+  constexpr int D = NP * 2;
+  for (int64_t j = 0; j < nk; ++j)
+    for (int p = 0; p < NP; ++p)
+      kp[(j / 16) * (NP * 16) + p * 16 + j % 16] = uint32_t(k[j * ks + 2 * p]) | (uint32_t(k[j * ks + 2 * p + 1]) << 16);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int d = 0; d < D; ++d) vp[(j / 2) * D + d] |= uint32_t(v[j * vs + d]) << (16 * (j & 1));
+}
+
+// One block of QB query rows of one head, causal from the bottom right (query i sees keys 0 .. shift + i), over
+// tiles of T key columns with a running max and sum (the scores float32, the probabilities rounded to bfloat16 for
+// the product with V, as SDPA's CPU flash kernel does).
+template <int NP>
+void causal_block(const uint16_t* q, int64_t qs_i, int64_t i0, int64_t rows, const uint32_t* kp, const uint32_t* vp,
+                  int64_t nk, int64_t shift, float scale, uint16_t* out, int64_t os_i, float* s, uint32_t* pp,
+                  float* o) {
+  constexpr int D = NP * 2, NC = D / 16;
+  uint32_t qq[QB * NP];
+  float m[QB], l[QB];
+  const int64_t kmax = std::min(nk, shift + i0 + rows);  // columns any row of the block sees
+  for (int64_t r = 0; r < QB; ++r)
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* qr = q + (i0 + std::min(r, rows - 1)) * qs_i;
+      qq[r * NP + p] = uint32_t(qr[2 * p]) | (uint32_t(qr[2 * p + 1]) << 16);
+    }
+  std::fill(o, o + QB * D, 0.f);
+  std::fill(m, m + QB, NEG_INF);
+  std::fill(l, l + QB, 0.f);
+  for (int64_t t0 = 0; t0 < kmax; t0 += T) {
+    const int64_t width = std::min(T, (kmax - t0 + 31) / 32 * 32);  // a multiple of 32 (pairs of 16)
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+      __m512 acc[QB];
+      for (int r = 0; r < QB; ++r) acc[r] = _mm512_setzero_ps();
+      const uint32_t* kc = &kp[((t0 + c0) / 16) * (NP * 16)];
+      for (int p = 0; p < NP; ++p) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kc + p * 16);
+        for (int r = 0; r < QB; ++r)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(int(qq[r * NP + p])), kv);
+      }
+      for (int r = 0; r < QB; ++r) _mm512_storeu_ps(&s[r * T + c0], acc[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = &s[r * T];
+      const int64_t allowed = std::min(width, shift + i0 + r + 1 - t0);  // columns of the tile it sees
+      const __m512 sc = _mm512_set1_ps(scale);
+      __m512 top = _mm512_set1_ps(NEG_INF);
+      for (int64_t j = 0; j < width; j += 16) {
+        const int64_t left = allowed - j;
+        const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0)
+                                                                       : __mmask16((1u << left) - 1);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), in, _mm512_loadu_ps(row + j), sc);
+        _mm512_storeu_ps(row + j, x);
+        top = _mm512_max_ps(top, x);
+      }
+      const float now = std::max(m[r], _mm512_reduce_max_ps(top));
+      const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - now);
+      m[r] = now;
+      const __m512 shiftv = _mm512_set1_ps(now);
+      __m512 sum = _mm512_setzero_ps();
+      uint32_t* pr = &pp[r * (T / 2)];
+      for (int64_t j = 0; j < width; j += 32) {
+        const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shiftv));
+        const __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j + 16), shiftv));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // 16 pairs, in order
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(&o[r * D + c * 16], _mm512_mul_ps(av, _mm512_loadu_ps(&o[r * D + c * 16])));
+      }
+    }
+    constexpr int RG = NC <= 4 ? 6 : 3;
+    for (int64_t r0 = 0; r0 < rows; r0 += RG) {
+      const int64_t rn = std::min<int64_t>(RG, rows - r0);
+      __m512 a[RG][NC];
+      for (int g = 0; g < rn; ++g)
+        for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(&o[(r0 + g) * D + c * 16]);
+      const uint32_t* vt = &vp[(t0 / 2) * D];
+      for (int64_t t = 0; t < width / 2; ++t) {
+        __m512bh vv[NC];
+        for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + t * D + c * 16);
+        for (int g = 0; g < rn; ++g) {
+          const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[(r0 + g) * (T / 2) + t]));
+          for (int c = 0; c < NC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pv, vv[c]);
+        }
+      }
+      for (int g = 0; g < rn; ++g)
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(&o[(r0 + g) * D + c * 16], a[g][c]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    uint16_t* out_r = out + (i0 + r) * os_i;
+    for (int d = 0; d < D; ++d) out_r[d] = bf16_bits(o[r * D + d] * inv);
+  }
+}
+
+template <int NP>
+void causal_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                at::Tensor& out) {
+  constexpr int D = NP * 2;
+  const int64_t H = query.size(1), n = query.size(2), G = key.size(1), nk = key.size(2);
+  const int64_t rep = H / G, shift = nk - n, nk2 = (nk + 31) / 32 * 32, blocks = (n + QB - 1) / QB;
+  const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  const uint16_t* kb = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
+  const uint16_t* vb = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  std::vector<uint32_t> kp(G * NP * nk2, 0), vp(G * (nk2 / 2) * D, 0);
+  at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g)
+      pack_kv<NP>(kb + g * ks[1], ks[2], vb + g * vs[1], vs[2], nk, nk2, &kp[g * NP * nk2], &vp[g * (nk2 / 2) * D]);
+  });
+  at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> s(QB * T), o(QB * D);
+    std::vector<uint32_t> pp(QB * (T / 2));
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / blocks, i0 = (item % blocks) * QB, g = h / rep;
+      causal_block<NP>(qp + h * qs[1], qs[2], i0, std::min<int64_t>(QB, n - i0), &kp[g * NP * nk2],
+                       &vp[g * (nk2 / 2) * D], nk, shift, static_cast<float>(scale), op + h * D, H * D, s.data(),
+                       pp.data(), o.data());
+    }
+  });
+}
+#endif
+
+// The same in plain C++ (any head dim, any CPU): the sums run in column order, so padding changes nothing either.
+template <typename T, typename M>
+void attend_any(const float* qf, int64_t R, int64_t Q, int64_t rep, int64_t D, const T* kb, int64_t ks, const T* vb,
+                int64_t vs, const M* mb, int64_t mq, int64_t ml, int64_t L, float scale, float* s, float* total,
+                float* acc) {
+  std::vector<float> kf(D);
+  for (int64_t j = 0; j < L; ++j) {
+    to_float(kb + j * ks, kf.data(), D);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float add = mask_add(mb[i * mq + j * ml]);
+      for (int64_t h = 0; h < rep; ++h) {
+        const int64_t r = h * Q + i;
+        float dot = 0.f;
+        if (add != NEG_INF) {  // in 16 partial sums, then added up: the error of a tree, not of a chain
+          float part[16] = {0.f};
+          for (int64_t d = 0; d < D; ++d) part[d % 16] += qf[r * D + d] * kf[d];
+          for (float p : part) dot += p;
+        }
+        s[r * L + j] = add == NEG_INF ? NEG_INF : dot * scale + add;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * L;
+    const float top = *std::max_element(row, row + L);
+    float sum = 0.f;
+    for (int64_t j = 0; j < L; ++j) {
+      row[j] = top == NEG_INF ? 1.f : row[j] == NEG_INF ? 0.f : std::exp(row[j] - top);
+      sum += row[j];
+    }
+    total[r] = sum;
+  }
+  std::vector<int64_t> first(R, 0);  // each query's first allowed column: where its blocks of values start
+  for (int64_t r = 0; r < R; ++r)
+    while (first[r] < L - 1 && s[r * L + first[r]] == 0.f) ++first[r];
+  std::fill(acc, acc + R * D, 0.f);
+  std::vector<float> part(R * D, 0.f);
+  auto flush = [&](int64_t r) {
+    for (int64_t d = 0; d < D; ++d) {
+      acc[r * D + d] += part[r * D + d];
+      part[r * D + d] = 0.f;
+    }
+  };
+  for (int64_t j = 0; j < L; ++j) {
+    to_float(vb + j * vs, kf.data(), D);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t into = j - first[r];
+      if (into > 0 && into % BLOCK == 0) flush(r);
+      const float p = s[r * L + j];
+      if (p != 0.f)
+        for (int64_t d = 0; d < D; ++d) part[r * D + d] += p * kf[d];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) flush(r);
+}
+
+template <typename T, typename M>
+void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+            const at::Tensor& mask, double scale, at::Tensor& out) {
+  const int64_t B = query.size(0), H = query.size(1), Q = query.size(2), D = query.size(3);
+  const int64_t G = key.size(1), L = key.size(2), rep = H / G, R = rep * Q;
+  const T* qp = query.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  const M* mp = mask.data_ptr<M>();
+  T* op = out.data_ptr<T>();
+  const auto qs = query.strides(), ks = key.strides(), vs = value.strides(), ms = mask.strides();
+  const int64_t mq = mask.size(2) == 1 ? 0 : ms[2];
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(R * D), s(R * L), total(R), acc(R * D);
+    for (int64_t bg = begin; bg < end; ++bg) {
+      const int64_t b = bg / G, g = bg % G;
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t i = 0; i < Q; ++i)
+          to_float(qp + b * qs[0] + (g * rep + h) * qs[1] + i * qs[2], &qf[(h * Q + i) * D], D);
+      const T* kb = kp + b * ks[0] + g * ks[1];
+      const T* vb = vp + b * vs[0] + g * vs[1];
+      const M* mb = mp + b * ms[0];
+      bool done = false;
+#ifdef BATCHSPEC_AVX512
+      if (D == 64) {
+        attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+        done = true;
+      } else if (D == 128) {
+        attend_one<8>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+        done = true;
+      }
+#endif
+      if (!done)
+        attend_any(qf.data(), R, Q, rep, D, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+      for (int64_t h = 0; h < rep; ++h)
+        for (int64_t i = 0; i < Q; ++i) {
+          const int64_t r = h * Q + i;
+          T* o = op + ((b * Q + i) * H + g * rep + h) * D;
+          const float inv = 1.f / total[r];
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * inv);
+        }
+    }
+  });
+}
+}  // namespace
+
+at::Tensor attend(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor mask,
+                               double scale) {
+  auto out = at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
+  AT_DISPATCH_SWITCH(query.scalar_type(), "batchspec_attend",
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      if (mask.scalar_type() == at::kBool) attend_all<scalar_t, bool>(query, key, value, mask, scale, out);
+      else if (mask.scalar_type() == at::kFloat) attend_all<scalar_t, float>(query, key, value, mask, scale, out);
+      else attend_all<scalar_t, c10::BFloat16>(query, key, value, mask, scale, out); })
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      if (mask.scalar_type() == at::kBool) attend_all<scalar_t, bool>(query, key, value, mask, scale, out);
+      else attend_all<scalar_t, float>(query, key, value, mask, scale, out); }));
+  return out;
+}
+
+bool has_causal() {
+#ifdef BATCHSPEC_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor causal(at::Tensor query, at::Tensor key, at::Tensor value, double scale) {
+  // query [1, H, n, D], key and value [1, G, nk, D], bfloat16, the last dims contiguous; returns [n, H, D]
+  TORCH_CHECK(has_causal() && query.scalar_type() == at::kBFloat16 && (query.size(3) == 64 || query.size(3) == 128),
+              "the causal kernel takes bfloat16 heads of 64 or 128 on a CPU with AVX512-BF16");
+  auto out = at::empty({query.size(2), query.size(1), query.size(3)}, query.options());
+#ifdef BATCHSPEC_AVX512BF16
+  if (query.size(3) == 64) causal_all<32>(query, key, value, scale, out);
+  else causal_all<64>(query, key, value, scale, out);
+#endif
+  return out;
+}
+
+// Operators, not a Python module: the build needs ATen's headers only (seconds, not the half minute of
+// torch/extension.h). native.py calls them as torch.ops.batchspec.*.
+TORCH_LIBRARY(batchspec, m) {
+  m.def("attend(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
+  m.def("causal(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
+  m.def("has_causal() -> bool", &has_causal);
+}
+
+TORCH_LIBRARY_IMPL(batchspec, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("causal", &causal);
+}

@@ -1,0 +1,200 @@
+"""batchspec's CPU attention kernels, built once on the user's machine.
+
+On a CPU, every decode step and verify attends a few query tokens per row to the whole cache. SDPA's flash
+kernel does that at about 4 GB/s of cache read on one core (its small per-block products and their
+reductions), well below what the core can stream. ``attention_cpu.cpp`` scores each key column once for all
+the queries that share its KV head, in float32 whatever the cache's dtype, and sums the values in column order:
+2.1-3.3x SDPA's folded kernel for one layer, the same error against float64 (``benchmarks/attention_kernels.py``).
+It also keeps a row's output independent of the rows and padding beside it, and a verify's query computes
+what a one-token step at its position would. Where the CPU has AVX512-BF16, a bfloat16 prefill's causal attention
+runs batchspec's own kernel too (``causal``): bfloat16 pairs dotted into float32 by the CPU's dot-product
+instruction, tiles of key columns with a running softmax, the probabilities rounded to bfloat16 for the product with
+the values (as SDPA's CPU flash kernel does, which runs far below this core's bfloat16 speed).
+
+No kept library ships such a kernel for this PyTorch (vLLM's and IPEX's pin their own), so it is built here
+with PyTorch's own extension builder (a C++ compiler and ninja; ``-march=native``) into the tool's cache
+directory, keyed by the source, this CPU's flags and the PyTorch and Python versions; 10-20 s, once. Where
+it cannot be built (no compiler, an unsupported platform) ``load`` says why and attention stays on SDPA.
+``attach`` gives a model's attention layers the kernel (``attention._attend`` calls it); ``detach`` undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import platform
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("attention_cpu.cpp")
+MAX_QUERY = 16  # longer queries (a prefill, a long catch-up) keep SDPA: its blocked products pay there
+DTYPES = (torch.float32, torch.bfloat16)
+ATTRIBUTE = "batchspec_attend"  # set on a model's attention layers by ``attach``
+
+
+class Built:
+    """The outcome of building the kernel in this process: the function, or why there is none."""
+
+    def __init__(self, module=None, error: str | None = None, seconds: float = 0.0, built_now: bool = False):
+        self.attend = module.attend if module is not None else None  # short queries, float32 and bfloat16
+        # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
+        self.causal = module.causal if module is not None and module.has_causal() else None
+        self.error, self.seconds, self.built_now = error, seconds, built_now
+        self._told = False
+
+    def news(self) -> list[str]:
+        """For the user, once per process: that the kernel was built now (a pause of its seconds), or why not."""
+        if self._told:
+            return []
+        self._told = True
+        if self.attend is None:
+            return [f"the CPU attention kernel could not be built ({self.error}): attention runs on SDPA"]
+        return [f"built the CPU attention kernel for this machine in {self.seconds:.0f} s (once)"] if self.built_now \
+            else []
+
+
+_built: Built | None = None
+_lock = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _key() -> str:
+    """What the built library depends on: the source, this CPU (-march=native) and the versions it links."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (_cpu_flags(), platform.machine(), torch.__version__, sys.version):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """Let PyTorch's builder find the ``ninja`` the ``ninja`` package installed, even outside an activated venv."""
+    try:
+        import ninja
+
+        extra = getattr(ninja, "BIN_DIR", None)
+    except ImportError:
+        extra = None
+    before = os.environ.get("PATH", "")
+    if extra:
+        os.environ["PATH"] = extra + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
+def _build() -> Built:
+    if platform.system() != "Linux":
+        return Built(error=f"built on Linux only (this is {platform.system()})")
+    if not SOURCE.is_file():
+        return Built(error=f"its source {SOURCE.name} is missing from the installed package")
+    from torch.utils import cpp_extension
+
+    from .loading import cache_dir  # loading imports attention, which imports this module
+
+    root = cache_dir()
+    key = _key()
+    where = root / "kernels" / key
+    if where.is_symlink() or where.parent.is_symlink():  # the tool builds into its own directories only
+        return Built(error=f"{where} runs through a symlink")
+    began = time.perf_counter()
+    fresh = not any(where.glob("*.so"))
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        with _ninja_on_path(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            cpp_extension.load(
+                name=f"batchspec_attention_{key}", sources=[str(SOURCE)], build_directory=str(where),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                is_python_module=False, verbose=False)
+        module = torch.ops.batchspec
+    except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        return Built(error=first[:200])
+    return Built(module, seconds=time.perf_counter() - began, built_now=fresh)
+
+
+def load() -> Built:
+    """The kernel, built (or loaded from the cache directory) the first time it is asked for in this process."""
+    global _built
+    with _lock:
+        if _built is None:
+            _built = _build()
+        return _built
+
+
+def _attention_layers(model: torch.nn.Module):
+    return [m for m in model.modules() if hasattr(m, "num_key_value_groups") and hasattr(m, "head_dim")]
+
+
+def wants(model: torch.nn.Module) -> bool:
+    """Whether the kernel applies to ``model``: a float32 or bfloat16 model on a CPU."""
+    weight = next(model.parameters(), None)
+    return weight is not None and weight.device.type == "cpu" and weight.dtype in DTYPES
+
+
+def attach(model: torch.nn.Module) -> bool:
+    """Give the attention layers of a model the kernel ``wants`` (``attention._attend`` runs it for queries of up
+    to ``MAX_QUERY`` tokens), building it first if need be. Returns whether it did."""
+    if not wants(model):
+        return False
+    built = load()
+    if built.attend is None:
+        return False
+    for layer in _attention_layers(model):
+        setattr(layer, ATTRIBUTE, built)
+    return True
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Undo ``attach``."""
+    for layer in _attention_layers(model):
+        if hasattr(layer, ATTRIBUTE):
+            delattr(layer, ATTRIBUTE)
+
+
+def _last_dim_dense(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels take any strides but the last (a head's dims must lie side by side)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def causal(kernel, query, key, value, scaling: float) -> torch.Tensor | None:
+    """``kernel`` (``Built.causal``) on one row's prefill (query ``[1, H, n, D]``, key and value ``[1, KV, m, D]``,
+    m >= n, query i seeing keys up to m - n + i); returns ``[n, H, D]``, or None where it does not apply (another
+    dtype or head dim: the caller runs SDPA)."""
+    dim = query.shape[-1]
+    if kernel is None or query.dtype != torch.bfloat16 or dim not in (64, 128) or query.shape[0] != 1 \
+            or key.dtype != query.dtype or value.dtype != query.dtype or query.shape[1] % key.shape[1] \
+            or key.shape[-1] != dim or value.shape[-1] != dim or key.shape[2] < query.shape[2]:
+        return None
+    return kernel(*_last_dim_dense(query, key, value), float(scaling))
+
+
+def attend(kernel, query, key, value, mask, scaling: float) -> torch.Tensor:
+    """``kernel`` (``Built.attend``) on SDPA's inputs (query ``[B, H, q, D]``, key and value ``[B, KV, L, D]``, an
+    additive or boolean mask ``[B, 1, q or 1, L]``); returns ``[B, q, H, D]`` (what the attention layers take back)."""
+    if mask.dtype != torch.bool and mask.dtype != torch.float32 and not (
+            mask.dtype == torch.bfloat16 and query.dtype == torch.bfloat16):
+        mask = mask.float()
+    return kernel(*_last_dim_dense(query, key, value), mask, float(scaling))

@@ -1,0 +1,154 @@
+"""The CPU attention kernels (models/native.py) against float64 SDPA, and the properties the engine relies on: a
+row's output does not depend on the rows or padding beside it, and a verify's query computes what a one-token step
+at its position computes; the causal prefill kernel as close to float64 as SDPA's own."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchspec_cli.models import native
+from batchspec_cli.models.attention import _attend
+from conftest import TINY_VOCAB_SIZE, make_tiny_llama
+
+BUILT = native.load()
+pytestmark = pytest.mark.skipif(BUILT.attend is None, reason=f"the kernel could not be built: {BUILT.error}")
+
+HEADS, KV = 6, 2
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}  # what SDPA's own kernels reach on the same inputs, x4
+
+
+def inputs(dtype, rows, q_len, length, dim, pads, seed=0):
+    """Random queries, keys and values, and the engine's additive mask: row i's content starts at pads[i], and its
+    query j sees every content column up to its own (the last q_len columns are the queries')."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, HEADS, q_len, dim, generator=g).to(dtype)
+    k = (2 * torch.randn(rows, KV, length, dim, generator=g)).to(dtype)
+    v = torch.randn(rows, KV, length, dim, generator=g).to(dtype)
+    cols = torch.arange(length)
+    last = length - q_len + torch.arange(q_len)
+    allowed = (cols[None, None] >= torch.tensor(pads)[:, None, None]) & (cols[None, None] <= last[None, :, None])
+    mask = torch.zeros(rows, 1, q_len, length, dtype=dtype).masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+    return q, k, v, mask, allowed[:, None]
+
+
+def exact(q, k, v, allowed):
+    rep = HEADS // KV
+    return F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(rep, 1),
+                                          v.double().repeat_interleave(rep, 1), attn_mask=allowed).transpose(1, 2)
+
+
+def run(q, k, v, mask):
+    return native.attend(BUILT.attend, q, k, v, mask, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 40])  # 64 and 128: the vector paths; 40: the plain one
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_the_kernel_matches_float64_attention_as_closely_as_sdpa_does(dtype, dim, q_len):
+    q, k, v, mask, allowed = inputs(dtype, 4, q_len, 70, dim, [0, 5, 33, 1])
+    want = exact(q, k, v, allowed)
+    got = run(q, k, v, mask)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert got.shape == sdpa.shape and got.dtype == dtype
+    assert (got.double() - want).abs().max() <= TOLERANCE[dtype]
+    assert (got.double() - want).abs().max() <= 2 * (sdpa.double() - want).abs().max() + TOLERANCE[dtype] / 8
+    bool_mask = run(q, k, v, allowed)  # a boolean mask means the same
+    assert torch.equal(bool_mask, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40])
+def test_a_rows_output_does_not_depend_on_the_rows_or_padding_beside_it(dtype, dim):
+    q, k, v, mask, _ = inputs(dtype, 3, 1, 90, dim, [0, 37, 13])
+    together = run(q, k, v, mask)
+    for row, pad in enumerate([0, 37, 13]):
+        alone = run(q[row:row + 1], k[row:row + 1, :, pad:], v[row:row + 1, :, pad:], mask[row:row + 1, ..., pad:])
+        assert torch.equal(alone[0], together[row])
+        wider = torch.cat([torch.zeros_like(k[row:row + 1, :, :9]), k[row:row + 1, :, pad:]], 2)  # 9 more pads
+        wider_v = torch.cat([torch.ones_like(v[row:row + 1, :, :9]), v[row:row + 1, :, pad:]], 2)
+        wider_mask = torch.cat([torch.full_like(mask[row:row + 1, ..., :9], torch.finfo(dtype).min),
+                                mask[row:row + 1, ..., pad:]], -1)
+        assert torch.equal(run(q[row:row + 1], wider, wider_v, wider_mask)[0], together[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_query_computes_what_a_one_token_step_at_its_position_does(dtype):
+    q_len, length = 4, 60
+    q, k, v, mask, _ = inputs(dtype, 2, q_len, length, 64, [3, 0])
+    verify = run(q, k, v, mask)
+    for i in range(q_len):
+        end = length - q_len + i + 1
+        step = run(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], mask[:, :, i:i + 1, :end])
+        assert torch.equal(step[:, 0], verify[:, i])
+
+
+def test_a_query_with_no_allowed_column_gets_the_mean_of_the_values_as_sdpa_gives():
+    q, k, v, mask, _ = inputs(torch.float32, 1, 1, 20, 64, [0])
+    mask.fill_(torch.finfo(torch.float32).min)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(run(q, k, v, mask), sdpa, atol=1e-6)
+
+
+def test_the_attention_layers_run_the_kernel_for_short_queries_only():
+    """``attention._attend`` hands a layer with the kernel attached its short CPU queries, and a prefill's long
+    query to SDPA; without the kernel attached it runs SDPA throughout."""
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape[2])
+        return BUILT.attend(*args)
+
+    layer = SimpleNamespace(num_key_value_groups=HEADS // KV)
+    own = SimpleNamespace(attend=kernel, causal=None)
+    for q_len in (1, native.MAX_QUERY, native.MAX_QUERY + 1):
+        q, k, v, mask, allowed = inputs(torch.float32, 2, q_len, 80, 64, [0, 4])
+        plain = _attend(layer, q, k, v, mask, scaling=64 ** -0.5)[0]
+        setattr(layer, native.ATTRIBUTE, own)
+        fast = _attend(layer, q, k, v, mask, scaling=64 ** -0.5)[0]
+        delattr(layer, native.ATTRIBUTE)
+        assert (fast.double() - exact(q, k, v, allowed)).abs().max() <= TOLERANCE[torch.float32]
+        assert (plain.double() - exact(q, k, v, allowed)).abs().max() <= TOLERANCE[torch.float32]
+    assert calls == [1, native.MAX_QUERY]
+
+
+def test_where_the_kernel_cannot_be_built_attention_stays_on_sdpa_and_the_user_is_told(monkeypatch):
+    from batchspec_cli.job.assembly import attach_attention
+
+    monkeypatch.setattr(native, "_built", native.Built(error="no C++ compiler"))
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.float32)
+    assert attach_attention([model]) == ["the CPU attention kernel could not be built (no C++ compiler): "
+                                         "attention runs on SDPA"]
+    assert attach_attention([model]) == []  # once a process
+    assert not any(hasattr(m, native.ATTRIBUTE) for m in model.modules())
+
+
+needs_causal = pytest.mark.skipif(BUILT.causal is None, reason="the causal kernel needs a CPU with AVX512-BF16")
+
+
+@needs_causal
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("n, m", [(1, 1), (15, 15), (17, 17), (300, 300), (600, 600), (40, 300), (1, 270)])
+def test_the_causal_kernel_matches_float64_attention_as_closely_as_sdpa_does(dim, n, m):
+    """One row's prefill: n queries against m keys (m > n: a piece after earlier columns, causal from the bottom
+    right). Blocks of 16 queries and tiles of 256 keys both end inside the shapes tested."""
+    g = torch.Generator().manual_seed(n * 1000 + m)
+    q = torch.randn(1, HEADS, n, dim, generator=g).bfloat16()
+    k = (2 * torch.randn(1, KV, m, dim, generator=g)).bfloat16()
+    v = torch.randn(1, KV, m, dim, generator=g).bfloat16()
+    allowed = torch.arange(m)[None] <= torch.arange(m - n, m)[:, None]
+    want = exact(q, k, v, allowed)[0]
+    got = native.causal(BUILT.causal, q, k, v, dim ** -0.5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)[0].transpose(0, 1)
+    assert got.shape == (n, HEADS, dim) and got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 1.5 * (sdpa.double() - want).abs().max() + 1e-3
+
+
+@needs_causal
+def test_the_causal_kernel_leaves_what_it_does_not_take_to_sdpa():
+    q = torch.randn(1, HEADS, 5, 64)
+    assert native.causal(BUILT.causal, q, q[:, :KV], q[:, :KV], 0.125) is None  # float32
+    q = q.bfloat16()
+    assert native.causal(BUILT.causal, q[..., :40], q[:, :KV, :, :40], q[:, :KV, :, :40], 0.125) is None  # dim 40
+    assert native.causal(None, q, q[:, :KV], q[:, :KV], 0.125) is None  # no kernel built
