@@ -152,3 +152,14 @@ def test_the_causal_kernel_leaves_what_it_does_not_take_to_sdpa():
     q = q.bfloat16()
     assert native.causal(BUILT.causal, q[..., :40], q[:, :KV, :, :40], q[:, :KV, :, :40], 0.125) is None  # dim 40
     assert native.causal(None, q, q[:, :KV], q[:, :KV], 0.125) is None  # no kernel built
+
+
+def test_a_mask_broadcast_over_rows_means_what_sdpa_makes_of_it_and_a_wrong_shape_is_an_error():
+    q, k, v, mask, _ = inputs(torch.float32, 3, 1, 30, 64, [0, 0, 0])
+    shared = mask[:1]  # one mask row for all rows
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=shared, enable_gqa=True).transpose(1, 2)
+    assert torch.allclose(run(q, k, v, shared), sdpa, atol=TOLERANCE[torch.float32])
+    with pytest.raises(RuntimeError):
+        BUILT.attend(q, k, v, mask[..., :20], 0.125)  # 20 mask columns for 30 keys
+    with pytest.raises(RuntimeError):
+        BUILT.attend(q, k[:2], v[:2], mask, 0.125)  # 2 rows of keys for 3 queries

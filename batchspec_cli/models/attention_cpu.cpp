@@ -397,8 +397,20 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 }
 }  // namespace
 
-at::Tensor attend(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor mask,
-                               double scale) {
+// The shapes each kernel reads through its raw pointers: anything else is an error, never a read out of bounds.
+void check_shapes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && key.sizes() == value.sizes(), "query, key, value: 4D, k ~ v");
+  TORCH_CHECK(key.size(0) == query.size(0) && key.size(1) > 0 && query.size(1) % key.size(1) == 0 &&
+              key.size(3) == query.size(3), "key and value [B, KV, L, D] for a query [B, H, q, D], KV dividing H");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1, "a head's dims side by side");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(), "one dtype");
+}
+
+at::Tensor attend(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor mask, double scale) {
+  check_shapes(query, key, value);
+  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == query.size(0) && mask.size(1) == 1 &&
+              (mask.size(2) == 1 || mask.size(2) == query.size(2)) && mask.size(3) == key.size(2),
+              "the mask [B, 1, q or 1, L]");
   auto out = at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
   AT_DISPATCH_SWITCH(query.scalar_type(), "batchspec_attend",
     AT_DISPATCH_CASE(at::kBFloat16, [&] {
@@ -421,8 +433,10 @@ bool has_causal() {
 
 at::Tensor causal(at::Tensor query, at::Tensor key, at::Tensor value, double scale) {
   // query [1, H, n, D], key and value [1, G, nk, D], bfloat16, the last dims contiguous; returns [n, H, D]
+  check_shapes(query, key, value);
   TORCH_CHECK(has_causal() && query.scalar_type() == at::kBFloat16 && (query.size(3) == 64 || query.size(3) == 128),
               "the causal kernel takes bfloat16 heads of 64 or 128 on a CPU with AVX512-BF16");
+  TORCH_CHECK(query.size(0) == 1 && key.size(2) >= query.size(2), "one row, at least as many keys as queries");
   auto out = at::empty({query.size(2), query.size(1), query.size(3)}, query.options());
 #ifdef BATCHSPEC_AVX512BF16
   if (query.size(3) == 64) causal_all<32>(query, key, value, scale, out);

@@ -197,4 +197,5 @@ def attend(kernel, query, key, value, mask, scaling: float) -> torch.Tensor:
     if mask.dtype != torch.bool and mask.dtype != torch.float32 and not (
             mask.dtype == torch.bfloat16 and query.dtype == torch.bfloat16):
         mask = mask.float()
+    mask = mask.expand(query.shape[0], 1, mask.shape[2], key.shape[2])  # a broadcast row: stride 0, as SDPA reads it
     return kernel(*_last_dim_dense(query, key, value), mask, float(scaling))
