@@ -116,8 +116,13 @@ def test_the_attention_layers_run_the_kernel_for_short_queries_only():
 def test_where_the_kernel_cannot_be_built_attention_stays_on_sdpa_and_the_user_is_told(monkeypatch):
     from batchspec_cli.job.assembly import attach_attention
 
-    monkeypatch.setattr(native, "_built", native.Built(error="no C++ compiler"))
     model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.float32)
+    assert native.running(model) == "sdpa"
+    assert native.attach(model) and native.running(model) == f"batchspec {BUILT.key}" and len(BUILT.key) == 16
+    native.detach(model)  # what a measured batch width is remembered under (assembly.build_engine) follows it
+    assert native.running(model) == "sdpa"
+
+    monkeypatch.setattr(native, "_built", native.Built(error="no C++ compiler"))
     assert attach_attention([model]) == ["the CPU attention kernel could not be built (no C++ compiler): "
                                          "attention runs on SDPA"]
     assert attach_attention([model]) == []  # once a process

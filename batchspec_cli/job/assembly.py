@@ -25,7 +25,7 @@ from ..engine import drafters
 from ..engine.core import AUTO_WIDTHS, Engine, EngineConfig, ModelHandle
 from ..engine.stops import StopStrings
 from ..models import loading as models
-from ..models import widths
+from ..models import native, widths
 
 PACKED_MEMORY_SHARE = 0.5  # --kernels auto packs only when the packed copies take at most this share of free memory
 
@@ -57,7 +57,7 @@ class LazyDraft:
             if draft.model.device != self.target.model.device:
                 raise models.ModelError("draft and target ended up on different devices")
             if self.packed:
-                from ..models import kernels, native
+                from ..models import kernels
 
                 kernels.prepack(draft.model)
                 native.attach(draft.model)
@@ -126,7 +126,8 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
         memory = widths.WidthMemory(models.cache_dir() / widths.FILE_NAME, {
             **widths.machine(str(model.device)), "target": str(model.config.name_or_path or cfg.target),
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype),
-            "threads": torch.get_num_threads(), "kernels": cfg.kernels, "batchspec": __version__})  # new kernels
+            "threads": torch.get_num_threads(), "kernels": cfg.kernels, "batchspec": __version__,  # new kernels
+            "attention": native.running(model)})  # a faster attention can move the width that pays
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=AUTO_WIDTHS[-1] if auto_width else cfg.batch_size,
                          auto_width=auto_width, window=cfg.window, width_memory=memory,
                          pad_id=pad_id, logprobs_mode=cfg.logprobs_mode)
@@ -173,10 +174,8 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
 
 
 def attach_attention(present: list) -> list[str]:
-    """Give the packed CPU models batchspec's attention kernel for short queries (``native``); a note for the user
-    the first time in a process when it was built now (once per machine) or cannot be."""
-    from ..models import native
-
+    """Give the packed CPU models batchspec's attention kernels (``native``); a note for the user the first time in a
+    process when they were built now (once per machine) or cannot be."""
     wanted = [model for model in present if native.wants(model)]
     if not wanted:
         return []

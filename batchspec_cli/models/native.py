@@ -47,6 +47,7 @@ class Built:
         # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
         self.causal = module.causal if module is not None and module.has_causal() else None
         self.error, self.seconds, self.built_now = error, seconds, built_now
+        self.key = ""  # the build's key (source, CPU, versions), set by _build
         self._told = False
 
     def news(self) -> list[str]:
@@ -81,8 +82,6 @@ def _key() -> str:
     for part in (_cpu_flags(), platform.machine(), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
-
-
 
 
 @contextlib.contextmanager
@@ -132,7 +131,9 @@ def _build() -> Built:
     except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         return Built(error=first[:200])
-    return Built(module, seconds=time.perf_counter() - began, built_now=fresh)
+    built = Built(module, seconds=time.perf_counter() - began, built_now=fresh)
+    built.key = key
+    return built
 
 
 def load() -> Built:
@@ -165,6 +166,13 @@ def attach(model: torch.nn.Module) -> bool:
     for layer in _attention_layers(model):
         setattr(layer, ATTRIBUTE, built)
     return True
+
+
+def running(model: torch.nn.Module) -> str:
+    """Which attention ``model`` runs: ``sdpa``, or this module's kernels and their build's key (what a measured
+    batch width depends on)."""
+    built = next((getattr(m, ATTRIBUTE) for m in _attention_layers(model) if hasattr(m, ATTRIBUTE)), None)
+    return f"batchspec {built.key}" if built is not None else "sdpa"
 
 
 def detach(model: torch.nn.Module) -> None:
