@@ -12,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from batchspec_cli.cli import app
+from batchspec_cli.models import native
 from batchspec_cli.models.loading import load_model
 from batchspec_cli.store.outputs import read_run_metadata
 from conftest import (save_target_and_draft_dirs, greedy_reference, make_tokenizer, save_tiny_model_dir,
@@ -256,6 +257,9 @@ def test_packed_kernels_give_the_stock_kernels_output(tmp_path, prompts_jsonl, m
                         "12", "--quiet", "--dtype", "float32", *(["--kernels", name] if name else []))
         assert result.exit_code == 0, result.output
         assert read_run_metadata(out)["kernels"] == (name or "packed")  # the kernels that ran
+        built = native.load()  # packed runs batchspec's attention kernels where they build, and says which
+        assert read_run_metadata(out)["attention"] == ("sdpa" if name == "stock" or built.attend is None
+                                                       else f"batchspec {built.key}")
         outs[name] = pq.read_table(out).column("completion_token_ids").to_pylist()
     assert outs["packed"] == outs["stock"] == outs[None]
     out = tmp_path / "f64.parquet"

@@ -179,7 +179,7 @@ def test_fingerprint_and_metadata_keep_their_keys_and_values(monkeypatch):
         meta, old = metadata(job.cfg, job, job.runs_on), old_metadata(job)
         assert {key: meta[key] for key in old} == old  # the old keys keep their values
         # added with the model-free drafters, --kernels, then the inputs of issue 28
-        assert set(meta) - set(old) == {"drafters", "kernels", "output_format", "dtype_reason"} | RECENT
+        assert set(meta) - set(old) == {"drafters", "kernels", "output_format", "dtype_reason", "attention"} | RECENT
         assert meta["drafters"] == (["model"] if draft else []) + ["suffix"] and meta["kernels"] == "packed"
 
 

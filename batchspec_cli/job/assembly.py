@@ -76,6 +76,7 @@ class RunsOn:
     device: str  # cpu, cuda:0...
     dtype_reason: str = ""  # why that dtype (models.choose_dtype)
     batch_size: int | None = None  # --batch-size auto: the width the engine measured (None: not measured)
+    attention: str = ""  # sdpa, or batchspec's kernels and their build's key (native.running)
 
 
 @dataclass
@@ -94,7 +95,8 @@ class Assembly:
         """How the engine runs now (the batch width once it has measured it)."""
         model, engine = self.target.model, self.engine
         return RunsOn(self.kernels, str(model.dtype).removeprefix("torch."), str(model.device),
-                      self.target.dtype_reason, engine.batch_size if engine.width_rates is not None else None)
+                      self.target.dtype_reason, engine.batch_size if engine.width_rates is not None else None,
+                      native.running(model))
 
 
 def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_names: list[str],
