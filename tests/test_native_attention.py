@@ -168,3 +168,23 @@ def test_a_mask_broadcast_over_rows_means_what_sdpa_makes_of_it_and_a_wrong_shap
         BUILT.attend(q, k, v, mask[..., :20], 0.125)  # 20 mask columns for 30 keys
     with pytest.raises(RuntimeError):
         BUILT.attend(q, k[:2], v[:2], mask, 0.125)  # 2 rows of keys for 3 queries
+
+
+def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_run(monkeypatch):
+    """PyTorch's builder waits without end while its lock file exists; one older than any build is removed."""
+    import os
+    import threading
+    import time
+
+    from batchspec_cli.models.loading import cache_dir
+
+    lock = cache_dir() / "kernels" / BUILT.key / "lock"
+    lock.write_text("")
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(native, "_built", None)  # as a new process: load again
+    done = []
+    worker = threading.Thread(target=lambda: done.append(native.load()), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert done and done[0].attend is not None and not lock.exists()

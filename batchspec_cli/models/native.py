@@ -37,6 +37,7 @@ SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MAX_QUERY = 16  # longer queries (a prefill, a long catch-up) keep SDPA: its blocked products pay there
 DTYPES = (torch.float32, torch.bfloat16)
 ATTRIBUTE = "batchspec_attend"  # set on a model's attention layers by ``attach``
+STALE_LOCK_S = 600.0  # a builder's lock older than this was left by a killed build (one takes 10-20 s here)
 
 
 class Built:
@@ -102,6 +103,23 @@ def _ninja_on_path():
         os.environ["PATH"] = before
 
 
+def _clear_stale_lock(lock: Path) -> None:
+    """Wait while another process builds here; remove the builder's lock once it is older than any build takes.
+
+    PyTorch's builder takes a lock file in the build directory and waits, without end, while one exists: a process
+    killed while building (SIGKILL, a machine's crash) would leave every later run waiting on it.
+    """
+    while True:
+        try:
+            age = time.time() - lock.lstat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.2)
+
+
 def _build() -> Built:
     if platform.system() != "Linux":
         return Built(error=f"built on Linux only (this is {platform.system()})")
@@ -120,6 +138,7 @@ def _build() -> Built:
     fresh = not any(where.glob("*.so"))
     try:
         where.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(where / "lock")
         with _ninja_on_path(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
