@@ -123,7 +123,7 @@ def test_where_the_kernel_cannot_be_built_attention_stays_on_sdpa_and_the_user_i
     assert native.running(model) == "sdpa"
 
     monkeypatch.setattr(native, "_built", native.Built(error="no C++ compiler"))
-    assert attach_attention([model]) == ["the CPU attention kernel could not be built (no C++ compiler): "
+    assert attach_attention([model]) == ["batchspec's CPU attention kernels could not be built (no C++ compiler): "
                                          "attention runs on SDPA"]
     assert attach_attention([model]) == []  # once a process
     assert not any(hasattr(m, native.ATTRIBUTE) for m in model.modules())

@@ -57,9 +57,10 @@ class Built:
             return []
         self._told = True
         if self.attend is None:
-            return [f"the CPU attention kernel could not be built ({self.error}): attention runs on SDPA"]
-        return [f"built the CPU attention kernel for this machine in {self.seconds:.0f} s (once)"] if self.built_now \
-            else []
+            return [f"batchspec's CPU attention kernels could not be built ({self.error}): attention runs on SDPA"]
+        if not self.built_now:
+            return []
+        return [f"built batchspec's CPU attention kernels for this machine in {self.seconds:.0f} s (once)"]
 
 
 _built: Built | None = None
