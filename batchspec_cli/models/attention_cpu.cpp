@@ -170,7 +170,8 @@ void pack_kv(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64
   constexpr int D = NP * 2;
   for (int64_t j = 0; j < nk; ++j)
     for (int p = 0; p < NP; ++p)
-      kp[(j / 16) * (NP * 16) + p * 16 + j % 16] = uint32_t(k[j * ks + 2 * p]) | (uint32_t(k[j * ks + 2 * p + 1]) << 16);
+      kp[(j / 16) * (NP * 16) + p * 16 + j % 16] =
+          uint32_t(k[j * ks + 2 * p]) | (uint32_t(k[j * ks + 2 * p + 1]) << 16);
   for (int64_t j = 0; j < nk; ++j)
     for (int d = 0; d < D; ++d) vp[(j / 2) * D + d] |= uint32_t(v[j * vs + d]) << (16 * (j & 1));
 }
@@ -376,15 +377,18 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       bool done = false;
 #ifdef BATCHSPEC_AVX512
       if (D == 64) {
-        attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+        attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+                      acc.data());
         done = true;
       } else if (D == 128) {
-        attend_one<8>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+        attend_one<8>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+                      acc.data());
         done = true;
       }
 #endif
       if (!done)
-        attend_any(qf.data(), R, Q, rep, D, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(), acc.data());
+        attend_any(qf.data(), R, Q, rep, D, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+                   acc.data());
       for (int64_t h = 0; h < rep; ++h)
         for (int64_t i = 0; i < Q; ++i) {
           const int64_t r = h * Q + i;
