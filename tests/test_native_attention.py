@@ -188,3 +188,18 @@ def test_a_lock_left_by_a_killed_build_does_not_stop_the_next_run(monkeypatch):
     worker.start()
     worker.join(120)
     assert done and done[0].attend is not None and not lock.exists()
+
+
+def test_a_failed_build_is_one_line_for_the_user_and_nothing_on_the_terminal(tmp_path, monkeypatch, capfd):
+    """No compiler (CXX names none): the build fails, PyTorch's builder logs nothing, and the user's note gives the
+    shell's complaint, not the compiler's command line."""
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native, "_built", None)
+    built = native.load()
+    assert built.attend is None and built.causal is None
+    assert "not found" in built.error and len(built.error) <= 160 and "-isystem" not in built.error
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    assert native.Built(error=built.error).news() == [
+        f"batchspec's CPU attention kernels could not be built ({built.error}): attention runs on SDPA"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import logging
 import os
 import platform
 import sys
@@ -104,6 +105,27 @@ def _ninja_on_path():
         os.environ["PATH"] = before
 
 
+@contextlib.contextmanager
+def _quiet_builder():
+    """PyTorch's builder logs its warnings (a compiler it does not know, for one) to its own logger: the library
+    stays silent, and a failed build reaches the user as one note (``Built.news``)."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    before = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = before
+
+
+def _why(exc: Exception) -> str:
+    """One line for the user from a failed build: the compiler's or the shell's complaint, not the command lines."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    told = [line for line in lines if len(line) < 300 and not line.startswith("FAILED")
+            and any(word in line.lower() for word in ("error", "not found", "no such file"))]
+    return (told or lines[-1:] or [type(exc).__name__])[0][:160]
+
+
 def _clear_stale_lock(lock: Path) -> None:
     """Wait while another process builds here; remove the builder's lock once it is older than any build takes.
 
@@ -140,8 +162,8 @@ def _build() -> Built:
     try:
         where.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(where / "lock")
-        with _ninja_on_path(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+        with _ninja_on_path(), _quiet_builder(), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             cpp_extension.load(
                 name=f"batchspec_attention_{key}", sources=[str(SOURCE)], build_directory=str(where),
@@ -149,8 +171,7 @@ def _build() -> Built:
                 is_python_module=False, verbose=False)
         module = torch.ops.batchspec
     except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
-        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        return Built(error=first[:200])
+        return Built(error=_why(exc))
     built = Built(module, seconds=time.perf_counter() - began, built_now=fresh)
     built.key = key
     return built
