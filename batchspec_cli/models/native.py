@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from . import widths
+
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 MAX_QUERY = 16  # longer queries (a prefill, a long catch-up) keep SDPA: its blocked products pay there
 DTYPES = (torch.float32, torch.bfloat16)
@@ -44,12 +46,13 @@ STALE_LOCK_S = 600.0  # a builder's lock older than this was left by a killed bu
 class Built:
     """The outcome of building the kernel in this process: the function, or why there is none."""
 
-    def __init__(self, module=None, error: str | None = None, seconds: float = 0.0, built_now: bool = False):
+    def __init__(self, module=None, error: str | None = None, seconds: float = 0.0, built_now: bool = False,
+                 key: str = ""):
         self.attend = module.attend if module is not None else None  # short queries, float32 and bfloat16
         # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
         self.causal = module.causal if module is not None and module.has_causal() else None
         self.error, self.seconds, self.built_now = error, seconds, built_now
-        self.key = ""  # the build's key (source, CPU, versions), set by _build
+        self.key = key  # the build's key (source, CPU, versions)
         self._told = False
 
     def news(self) -> list[str]:
@@ -68,21 +71,11 @@ _built: Built | None = None
 _lock = threading.Lock()
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _key() -> str:
     """What the built library depends on: the source, this CPU (-march=native) and the versions it links."""
     digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (_cpu_flags(), platform.machine(), torch.__version__, sys.version):
+    flags = widths.cpuinfo("flags", "Features") or platform.processor()  # x86's flags, ARM's features
+    for part in (flags, platform.machine(), torch.__version__, sys.version):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -172,9 +165,7 @@ def _build() -> Built:
         module = torch.ops.batchspec
     except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
         return Built(error=_why(exc))
-    built = Built(module, seconds=time.perf_counter() - began, built_now=fresh)
-    built.key = key
-    return built
+    return Built(module, seconds=time.perf_counter() - began, built_now=fresh, key=key)
 
 
 def load() -> Built:

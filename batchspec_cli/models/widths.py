@@ -20,19 +20,23 @@ FILE_NAME = "widths.json"
 MAX_ENTRIES = 256  # the oldest are dropped beyond this
 
 
+def cpuinfo(*fields: str) -> str | None:
+    """The first of ``fields`` that ``/proc/cpuinfo`` gives (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(fields)), None)
+    except OSError:
+        return None
+
+
 def machine(device: str) -> dict:
     """What makes one machine's timings another's: the processor (or GPU) and its cores."""
-    name = platform.processor() or platform.machine()
     if device.startswith("cuda"):
         import torch
 
         name = torch.cuda.get_device_name(torch.device(device))
     else:
-        try:
-            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-        except OSError:
-            pass
+        name = cpuinfo("model name") or platform.processor() or platform.machine()
     return {"device": device, "processor": name, "cores": os.cpu_count()}
 
 
