@@ -204,7 +204,8 @@ def generate(
     kernels: Annotated[str, typer.Option("--kernels", help="auto | stock | packed: on a CPU in float32 or "
                                          "bfloat16, linear layers with oneDNN-prepacked weights (faster verifies "
                                          "and batched steps; twice the weight memory) and batchspec's own "
-                                         "attention kernels (built once per machine; SDPA where they cannot be). "
+                                         "attention and Llama layer kernels (built once per machine; SDPA and "
+                                         "transformers' layers where they cannot be). "
                                          "auto: packed when the copies take at most half the free memory; stock: "
                                          "neither.")] = DEFAULT.kernels,
     ray: Annotated[bool, typer.Option("--ray", help="Spread the length buckets over a Ray actor pool (needs "

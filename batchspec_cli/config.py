@@ -110,8 +110,8 @@ class GenerateConfig:
     stats: Path | None = None
     bucket_width: int | None = None
     threads: int | None = None
-    # packed: oneDNN-prepacked linear layers on a CPU (kernels.py) and batchspec's attention kernels (native.py); auto:
-    # packed for float32 and bfloat16 on a CPU when the memory allows. The output metadata records the kernels that
+    # packed: oneDNN-prepacked linear layers on a CPU (kernels.py) and batchspec's attention and layer kernels
+    # (native.py, layers.py); auto: packed for float32 and bfloat16 on a CPU when the memory allows. The output metadata records the kernels that
     # ran (assembly.use_kernels).
     kernels: str = setting("auto", metadata=True)
     # Scale-out (see distributed.py): how the job is spread, never what it computes.

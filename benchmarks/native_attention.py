@@ -1,12 +1,15 @@
-"""batchspec's CPU attention kernels (models/native.py) against SDPA on a whole job, in one process.
+"""batchspec's CPU kernels (models/native.py: attention; models/layers.py: the Llama layer) on a whole job, in one
+process.
 
     python benchmarks/native_attention.py --prompts 64 --max-new-tokens 64 --batch-size 32 --threads 1
 
 The same engine run (``--mode``, default ``ar``, on the embedded default model in ``--dtype``, packed linears as
-``--kernels auto`` runs them) with the kernels attached and detached, in palindrome order (on, off, off, on), on
-the same Spec-Bench prompts. Reports prefill and decode seconds from the engine's step statistics, their ratios, and
-how many rows are equal between the two (in bfloat16 a near-tie falls either way; in float32 the kernels round
-otherwise than SDPA, rarely enough to flip a token). A table for people, then one JSON line.
+``--kernels auto`` runs them) three ways: ``all`` (what ``--kernels auto`` attaches: the attention kernels and the
+Llama layer), ``attention`` (the attention kernels, transformers' layer) and ``sdpa`` (neither), in palindrome order
+(all, attention, sdpa, sdpa, attention, all), on the same Spec-Bench prompts. Reports prefill and decode seconds from
+the engine's step statistics, their ratios to ``all``, and how many rows equal ``all``'s (in bfloat16 a near-tie
+falls either way; in float32 the kernels round otherwise than SDPA and transformers' RMSNorm, rarely enough to flip
+a token). A table for people, then one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +32,19 @@ from batchspec_cli.engine.core import Engine, EngineConfig, ModelHandle  # noqa:
 from batchspec_cli.engine.events import StepStats  # noqa: E402
 from batchspec_cli.io.prompts import render_prompt  # noqa: E402
 from batchspec_cli.job.assembly import use_kernels  # noqa: E402
-from batchspec_cli.models import native  # noqa: E402
+from batchspec_cli.models import layers, native  # noqa: E402
+
+ARMS = ("all", "attention", "sdpa")
+
+
+def arm(model, name: str) -> None:
+    """Attach what the arm runs."""
+    native.detach(model)
+    if name != "sdpa":
+        native.attach(model)
+    if name == "attention":
+        for layer in model.modules():
+            layers.detach(layer)
 
 
 def run(target: ModelHandle, eos, reqs, mode: str, batch_size: int) -> dict:
@@ -69,28 +84,30 @@ def main() -> None:
     ids = [render_prompt(loaded.tokenizer, p, True, None) for p in spec_bench_prompts(SPEC_BENCH, args.prompts)]
     reqs = requests(ids, args.max_new_tokens)
     run(target, eos, reqs[:2], args.mode, 2)  # warm-up
-    results: dict[str, list[dict]] = {"kernels": [], "sdpa": []}
-    for name in ("kernels", "sdpa", "sdpa", "kernels"):
-        (native.attach if name == "kernels" else native.detach)(loaded.model)
+    results: dict[str, list[dict]] = {name: [] for name in ARMS}
+    for name in ARMS + ARMS[::-1]:
+        arm(loaded.model, name)
         results[name].append(run(target, eos, reqs, args.mode, args.batch_size))
     native.attach(loaded.model)
 
     def total(name, key):
         return sum(r[key] for r in results[name])
 
-    same = sum(results["kernels"][0]["rows"][i] == results["sdpa"][0]["rows"][i] for i in results["sdpa"][0]["rows"])
+    first = results["all"][0]["rows"]
+    same = {name: sum(results[name][0]["rows"][i] == first[i] for i in first) for name in ARMS[1:]}
     print(f"{args.prompts} Spec-Bench prompts x {args.max_new_tokens} tokens, {args.mode}, batch {args.batch_size}, "
           f"{loaded.model.dtype}, {args.threads} thread(s), kernels {kernels}, causal prefill kernel "
           f"{'yes' if built.causal else 'no'}; palindrome, seconds summed over 2 runs each")
-    print("| phase | kernels s | SDPA s | SDPA / kernels |\n|---|---|---|---|")
+    print("| phase | all s | attention s | SDPA s | attention / all | SDPA / all |\n|---|---|---|---|---|---|")
     record = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "mode": args.mode,
               "batch_size": args.batch_size, "dtype": str(loaded.model.dtype).removeprefix("torch."),
-              "threads": args.threads, "causal": built.causal is not None, "rows_equal": same, "rows": len(ids)}
+              "threads": args.threads, "causal": built.causal is not None, "rows_equal_to_all": same,
+              "rows": len(ids)}
     for key in ("prefill_s", "decode_s", "wall_s"):
-        a, b = total("kernels", key), total("sdpa", key)
-        print(f"| {key[:-2]} | {a:.1f} | {b:.1f} | {b / a:.2f}x |")
-        record[key] = {"kernels": [r[key] for r in results["kernels"]], "sdpa": [r[key] for r in results["sdpa"]]}
-    print(f"rows equal between the two: {same} of {len(ids)}")
+        a, b, c = (total(name, key) for name in ARMS)
+        print(f"| {key[:-2]} | {a:.1f} | {b:.1f} | {c:.1f} | {b / a:.2f}x | {c / a:.2f}x |")
+        record[key] = {name: [r[key] for r in results[name]] for name in ARMS}
+    print(f"rows equal to all's: attention {same['attention']}, sdpa {same['sdpa']} of {len(ids)}")
     print(json.dumps(record))
 
 

@@ -123,8 +123,8 @@ def test_where_the_kernel_cannot_be_built_attention_stays_on_sdpa_and_the_user_i
     assert native.running(model) == "sdpa"
 
     monkeypatch.setattr(native, "_built", native.Built(error="no C++ compiler"))
-    assert attach_attention([model]) == ["batchspec's CPU attention kernels could not be built (no C++ compiler): "
-                                         "attention runs on SDPA"]
+    assert attach_attention([model]) == ["batchspec's CPU kernels could not be built (no C++ compiler): "
+                                         "attention runs on SDPA and the layers on transformers' modules"]
     assert attach_attention([model]) == []  # once a process
     assert not any(hasattr(m, native.ATTRIBUTE) for m in model.modules())
 
@@ -202,4 +202,5 @@ def test_a_failed_build_is_one_line_for_the_user_and_nothing_on_the_terminal(tmp
     out, err = capfd.readouterr()
     assert out == "" and err == ""
     assert native.Built(error=built.error).news() == [
-        f"batchspec's CPU attention kernels could not be built ({built.error}): attention runs on SDPA"]
+        f"batchspec's CPU kernels could not be built ({built.error}): attention runs on SDPA and the layers on "
+        "transformers' modules"]

@@ -176,8 +176,8 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
 
 
 def attach_attention(present: list) -> list[str]:
-    """Give the packed CPU models batchspec's attention kernels (``native``); a note for the user the first time in a
-    process when they were built now (once per machine) or cannot be."""
+    """Give the packed CPU models batchspec's attention and layer kernels (``native``); a note for the user the first
+    time in a process when they were built now (once per machine) or cannot be."""
     wanted = [model for model in present if native.wants(model)]
     if not wanted:
         return []

@@ -22,19 +22,18 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define BATCHSPEC_AVX512 1
-#if defined(__AVX512BF16__)
-#define BATCHSPEC_AVX512BF16 1  // the causal prefill kernel: bfloat16 pairs dotted into float32 (vdpbf16ps)
-#endif
-#endif
+#include "native_cpu.h"
 
 namespace {
+#ifdef BATCHSPEC_AVX512
+using batchspec::exp16;
+using batchspec::load16;
+#endif
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 constexpr float MASKED = -1e30f;
 constexpr int64_t BLOCK = 32;  // columns of values summed before their sum joins the total
+constexpr int64_t GROUPED_ROWS = 6;  // query rows from which attend_one scores 16 columns at a time
 
 template <typename M>
 inline float mask_add(M m) {
@@ -50,26 +49,64 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
 }
 
 #ifdef BATCHSPEC_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+// The sums of 16 vectors' lanes, lane j the sum of a[j]'s: the tree of _mm512_reduce_add_ps for each (lanes i and
+// i + 8, then i and i + 4, i and i + 2, i and i + 1), taken for 16 vectors at once.
+inline __m512 reduce16(const __m512* a) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int p = 0; p < 8; ++p)
+    s1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                          _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int p = 0; p < 4; ++p)
+    s2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                          _mm512_shuffle_f32x4(s1[2 * p], s1[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int p = 0; p < 2; ++p)
+    s3[p] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s2[2 * p], s2[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4k + t holds vector 4t + k's sum
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sum);
 }
-// exp on 16 lanes: 2^n * p(r), r = x - n ln2 in two parts, p of degree 6; exactly 0 below -87.
-inline __m512 exp16(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+
+// The additive mask of 16 columns side by side as attend_one applies it: the masked lanes (a mask value at or below
+// MASKED, a false boolean), and in ``add`` every lane's value (0 for a boolean).
+inline __mmask16 masked16(const bool* m, __m512* add) {
+  *add = _mm512_setzero_ps();
+  return _mm_cmpeq_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m)), _mm_setzero_si128());
+}
+template <typename M>
+inline __mmask16 masked16(const M* m, __m512* add) {
+  *add = load16(m);
+  return _mm512_cmp_ps_mask(*add, _mm512_set1_ps(MASKED), _CMP_LE_OQ);
+}
+
+// Rows whose allowed columns start together at ``from``: each row's weights (``s``, row stride L) times the values,
+// summed in blocks of BLOCK columns counted from ``from`` and the blocks' sums added to ``acc`` (row stride D) in
+// order, as the general loop of attend_one sums them (a weight of 0 adds nothing there, and adds 0 here).
+template <int NC, int RN, typename T>
+void weigh_values(const float* s, int64_t L, int64_t from, const T* vb, int64_t vs, float* acc) {
+  constexpr int D = NC * 16;
+  __m512 a[RN][NC];
+  for (int g = 0; g < RN; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
+  auto flush = [&]() {
+    for (int g = 0; g < RN; ++g)
+      for (int c = 0; c < NC; ++c) {
+        float* out = acc + g * D + c * 16;
+        _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), a[g][c]));
+        a[g][c] = _mm512_setzero_ps();
+      }
+  };
+  for (int64_t j = from; j < L; ++j) {
+    if (j > from && (j - from) % BLOCK == 0) flush();
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load16(vb + j * vs + c * 16);
+    for (int g = 0; g < RN; ++g) {
+      const __m512 pv = _mm512_set1_ps(s[g * L + j]);
+      for (int c = 0; c < NC; ++c) a[g][c] = _mm512_fmadd_ps(pv, v[c], a[g][c]);
+    }
+  }
+  flush();
 }
 
 // One (row, KV head): scores, softmax and the weighted values, NC = head dim / 16.
@@ -79,7 +116,46 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
                 float* total, float* acc) {
   constexpr int D = NC * 16;
   std::vector<int64_t> first(R, L);
-  for (int64_t j = 0; j < L; ++j) {
+  // Scores: with many query rows (a verify's), 16 columns at a time, their lane sums taken together (reduce16);
+  // with a few (a decode step's), column by column, each column's key loaded once for all rows. The same numbers.
+  alignas(64) float kf[16 * D];  // 16 key columns as float32
+  alignas(64) float dots[16];
+  for (int64_t j0 = 0; j0 < L && R >= GROUPED_ROWS; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - j0);
+    for (int jj = 0; jj < 16; ++jj)
+      for (int c = 0; c < NC; ++c)
+        _mm512_store_ps(kf + jj * D + c * 16, jj < n ? load16(kb + (j0 + jj) * ks + c * 16) : _mm512_setzero_ps());
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t h = 0; h < rep; ++h) {
+        const int64_t r = h * Q + i;
+        const float* q = qf + r * D;
+        __m512 a[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          a[jj] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_load_ps(kf + jj * D));
+          for (int c = 1; c < NC; ++c)
+            a[jj] = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), _mm512_load_ps(kf + jj * D + c * 16), a[jj]);
+        }
+        const __m512 dv = reduce16(a);
+        if (n == 16 && ml == 1) {  // the mask's 16 columns side by side: one vector
+          __m512 add;
+          const __mmask16 masked = masked16(mb + i * mq + j0, &add);
+          const __m512 score = _mm512_add_ps(_mm512_mul_ps(dv, _mm512_set1_ps(scale)), add);
+          _mm512_storeu_ps(s + r * L + j0, _mm512_mask_mov_ps(score, masked, _mm512_set1_ps(NEG_INF)));
+          const unsigned allowed = static_cast<unsigned>(static_cast<__mmask16>(~masked));
+          if (first[r] == L && allowed) first[r] = j0 + __builtin_ctz(allowed);
+          continue;
+        }
+        _mm512_store_ps(dots, dv);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const int64_t j = j0 + jj;
+          const float add = mask_add(mb[i * mq + j * ml]);
+          if (add == NEG_INF) { s[r * L + j] = NEG_INF; continue; }
+          if (first[r] == L) first[r] = j;
+          s[r * L + j] = dots[jj] * scale + add;
+        }
+      }
+  }
+  for (int64_t j = 0; j < L && R < GROUPED_ROWS; ++j) {
     __m512 k[NC];
     for (int c = 0; c < NC; ++c) k[c] = load16(kb + j * ks + c * 16);
     for (int64_t i = 0; i < Q; ++i) {
@@ -124,6 +200,18 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
   constexpr int RG = NC <= 4 ? 4 : 2;
   for (int64_t r0 = 0; r0 < R; r0 += RG) {
     const int64_t rn = std::min<int64_t>(RG, R - r0);
+    if (std::all_of(first.begin() + r0, first.begin() + r0 + rn, [&](int64_t f) { return f == first[r0]; })) {
+      // the rows start together (a decode step's, a verify's): one loop, no per-row branches
+      const float* sr = s + r0 * L;
+      float* ar = acc + r0 * D;
+      if (rn == 1) weigh_values<NC, 1>(sr, L, first[r0], vb, vs, ar);
+      else if (rn == 2) weigh_values<NC, 2>(sr, L, first[r0], vb, vs, ar);
+      else if constexpr (RG == 4) {
+        if (rn == 3) weigh_values<NC, 3>(sr, L, first[r0], vb, vs, ar);
+        else weigh_values<NC, 4>(sr, L, first[r0], vb, vs, ar);
+      }
+      continue;
+    }
     __m512 a[RG][NC];
     for (int g = 0; g < RG; ++g)
       for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
@@ -240,22 +328,24 @@ void causal_block(const uint16_t* q, int64_t qs_i, int64_t i0, int64_t rows, con
           _mm512_storeu_ps(&o[r * D + c * 16], _mm512_mul_ps(av, _mm512_loadu_ps(&o[r * D + c * 16])));
       }
     }
-    constexpr int RG = NC <= 4 ? 6 : 3;
-    for (int64_t r0 = 0; r0 < rows; r0 += RG) {
-      const int64_t rn = std::min<int64_t>(RG, rows - r0);
+    // every row of the block, in groups the registers hold (rows past ``rows`` too, harmlessly: a loop bound the
+    // compiler knows keeps the accumulators in registers, which a bound known only at run time did not)
+    constexpr int RG = NC <= 4 ? 4 : 2;
+    static_assert(QB % RG == 0, "whole groups");
+    for (int r0 = 0; r0 < QB; r0 += RG) {
       __m512 a[RG][NC];
-      for (int g = 0; g < rn; ++g)
+      for (int g = 0; g < RG; ++g)
         for (int c = 0; c < NC; ++c) a[g][c] = _mm512_loadu_ps(&o[(r0 + g) * D + c * 16]);
       const uint32_t* vt = &vp[(t0 / 2) * D];
       for (int64_t t = 0; t < width / 2; ++t) {
         __m512bh vv[NC];
         for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vt + t * D + c * 16);
-        for (int g = 0; g < rn; ++g) {
+        for (int g = 0; g < RG; ++g) {
           const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[(r0 + g) * (T / 2) + t]));
           for (int c = 0; c < NC; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], pv, vv[c]);
         }
       }
-      for (int g = 0; g < rn; ++g)
+      for (int g = 0; g < RG; ++g)
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(&o[(r0 + g) * D + c * 16], a[g][c]);
     }
   }

@@ -1,4 +1,5 @@
-"""batchspec's CPU attention kernels, built once on the user's machine.
+"""batchspec's CPU kernels (attention, and a Llama layer's elementwise steps: ``layers``), built once on the user's
+machine.
 
 On a CPU, every decode step and verify attends a few query tokens per row to the whole cache. SDPA's flash
 kernel does that at about 4 GB/s of cache read on one core (its small per-block products and their
@@ -15,7 +16,8 @@ No kept library ships such a kernel for this PyTorch (vLLM's and IPEX's pin thei
 with PyTorch's own extension builder (a C++ compiler and ninja; ``-march=native``) into the tool's cache
 directory, keyed by the source, this CPU's flags and the PyTorch and Python versions; 10-20 s, once. Where
 it cannot be built (no compiler, an unsupported platform) ``load`` says why and attention stays on SDPA.
-``attach`` gives a model's attention layers the kernel (``attention._attend`` calls it); ``detach`` undoes it.
+``attach`` gives a model's attention layers the kernel (``attention._attend`` calls it) and its Llama decoder layers
+batchspec's forward (``layers``, on ``layers_cpu.cpp``'s operators from the same build); ``detach`` undoes both.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import torch
 from . import widths
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("layers_cpu.cpp"))  # built into one library
+HEADERS = (SOURCE.with_name("native_cpu.h"),)
 MAX_QUERY = 16  # longer queries (a prefill, a long catch-up) keep SDPA: its blocked products pay there
 DTYPES = (torch.float32, torch.bfloat16)
 ATTRIBUTE = "batchspec_attend"  # set on a model's attention layers by ``attach``
@@ -51,9 +55,13 @@ class Built:
         self.attend = module.attend if module is not None else None  # short queries, float32 and bfloat16
         # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
         self.causal = module.causal if module is not None and module.has_causal() else None
+        self.ops = module  # every operator, the layers' elementwise ones too (``layers``)
         self.error, self.seconds, self.built_now = error, seconds, built_now
         self.key = key  # the build's key (source, CPU, versions)
         self._told = False
+
+    def __deepcopy__(self, memo):
+        return self  # the process's one build, shared (a copied model's attention layers keep it)
 
     def news(self) -> list[str]:
         """For the user, once per process: that the kernel was built now (a pause of its seconds), or why not."""
@@ -61,10 +69,11 @@ class Built:
             return []
         self._told = True
         if self.attend is None:
-            return [f"batchspec's CPU attention kernels could not be built ({self.error}): attention runs on SDPA"]
+            return [f"batchspec's CPU kernels could not be built ({self.error}): attention runs on SDPA and the layers "
+                    f"on transformers' modules"]
         if not self.built_now:
             return []
-        return [f"built batchspec's CPU attention kernels for this machine in {self.seconds:.0f} s (once)"]
+        return [f"built batchspec's CPU kernels for this machine in {self.seconds:.0f} s (once)"]
 
 
 _built: Built | None = None
@@ -73,7 +82,9 @@ _lock = threading.Lock()
 
 def _key() -> str:
     """What the built library depends on: the source, this CPU (-march=native) and the versions it links."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
     flags = widths.cpuinfo("flags", "Features") or platform.processor()  # x86's flags, ARM's features
     for part in (flags, platform.machine(), torch.__version__, sys.version):
         digest.update(part.encode())
@@ -139,8 +150,9 @@ def _clear_stale_lock(lock: Path) -> None:
 def _build() -> Built:
     if platform.system() != "Linux":
         return Built(error=f"built on Linux only (this is {platform.system()})")
-    if not SOURCE.is_file():
-        return Built(error=f"its source {SOURCE.name} is missing from the installed package")
+    missing = [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]
+    if missing:
+        return Built(error=f"its source {missing[0]} is missing from the installed package")
     from torch.utils import cpp_extension
 
     from .loading import cache_dir  # loading imports attention, which imports this module
@@ -159,8 +171,10 @@ def _build() -> Built:
                 contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             cpp_extension.load(
-                name=f"batchspec_attention_{key}", sources=[str(SOURCE)], build_directory=str(where),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                name=f"batchspec_attention_{key}", sources=[str(path) for path in SOURCES],
+                build_directory=str(where), extra_include_paths=[str(SOURCE.parent)],
+                # no contraction into fused multiply-adds: layers_cpu.cpp rounds every product as transformers does
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
                 is_python_module=False, verbose=False)
         module = torch.ops.batchspec
     except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
@@ -189,7 +203,8 @@ def wants(model: torch.nn.Module) -> bool:
 
 def attach(model: torch.nn.Module) -> bool:
     """Give the attention layers of a model the kernel ``wants`` (``attention._attend`` runs it for queries of up
-    to ``MAX_QUERY`` tokens), building it first if need be. Returns whether it did."""
+    to ``MAX_QUERY`` tokens) and its ``layers.fusable`` decoder layers batchspec's forward, building the kernels
+    first if need be. Returns whether it did."""
     if not wants(model):
         return False
     built = load()
@@ -197,6 +212,11 @@ def attach(model: torch.nn.Module) -> bool:
         return False
     for layer in _attention_layers(model):
         setattr(layer, ATTRIBUTE, built)
+    from . import layers
+
+    for layer in model.modules():
+        if layers.fusable(layer):
+            layers.attach(layer, built.ops)
     return True
 
 
@@ -209,9 +229,13 @@ def running(model: torch.nn.Module) -> str:
 
 def detach(model: torch.nn.Module) -> None:
     """Undo ``attach``."""
+    from . import layers
+
     for layer in _attention_layers(model):
         if hasattr(layer, ATTRIBUTE):
             delattr(layer, ATTRIBUTE)
+    for layer in model.modules():
+        layers.detach(layer)
 
 
 def _last_dim_dense(*tensors: torch.Tensor) -> list[torch.Tensor]:
