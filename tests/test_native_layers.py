@@ -176,3 +176,14 @@ def test_a_copy_or_a_model_moved_to_another_dtype_runs_transformers_forward():
         assert torch.equal(wide(input_ids=ids).logits, stock(input_ids=ids).logits)
         moved = model.to(torch.float64)  # the fused layers' joint weights stay float32: the stock forward runs
         assert torch.equal(moved(input_ids=ids).logits, stock(input_ids=ids).logits)
+
+
+def test_the_joint_linears_run_packed_from_the_rows_the_separate_ones_did():
+    model = tiny(torch.float32)
+    kernels.prepack(model)
+    kernels.set_min_rows(model, 4)  # what tune_kernels applies from this machine's measurement
+    native.attach(model)
+    fused = model.model.layers[1].__dict__[layers.ATTRIBUTE]
+    assert fused.qkv.min_rows == fused.gate_up.min_rows == 4
+    native.detach(model)
+    assert model.model.layers[1].self_attn.k_proj.min_rows == 4

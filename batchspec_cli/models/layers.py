@@ -37,9 +37,9 @@ class Fused:
     """What a fused layer's forward needs besides the layer: the kernels and the two joint linears. Not a module:
     the model's modules and state dict stay as they were."""
 
-    def __init__(self, ops, qkv: nn.Linear, gate_up: nn.Linear, packed: list[str]):
+    def __init__(self, ops, qkv: nn.Linear, gate_up: nn.Linear, packed: dict[str, int]):
         self.ops, self.qkv, self.gate_up = ops, qkv, gate_up
-        self.packed = packed  # the separate linears that ran packed before (``detach`` packs them again)
+        self.packed = packed  # the separate linears that ran packed before, and from how many rows (``detach``)
 
     def __deepcopy__(self, memo):
         return None  # a copied model (verify's float64 copy, say) runs transformers' forward on its own weights
@@ -88,16 +88,17 @@ def attach(layer: nn.Module, ops) -> None:
     if ATTRIBUTE in layer.__dict__:
         return
     attn, mlp = layer.self_attn, layer.mlp
-    packed = []
+    packed = {}
     for parent, name in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (mlp, "gate_proj"), (mlp, "up_proj")):
         child = getattr(parent, name)
         if isinstance(child, kernels.PackedLinear):  # its packed copy would go unused: the joint layer runs
             setattr(parent, name, child.to_linear())
-            packed.append(f"{'self_attn' if parent is attn else 'mlp'}.{name}")
+            packed[f"{'self_attn' if parent is attn else 'mlp'}.{name}"] = child.min_rows
     qkv = _joint([(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")])
     gate_up = _joint([(mlp, "gate_proj"), (mlp, "up_proj")])
-    if packed:
-        qkv, gate_up = kernels.PackedLinear(qkv), kernels.PackedLinear(gate_up)
+    if packed:  # packed from the rows the separate layers were (kernels.set_min_rows: measured on this machine)
+        rows = min(packed.values())
+        qkv, gate_up = kernels.PackedLinear(qkv, rows), kernels.PackedLinear(gate_up, rows)
     setattr(layer, ATTRIBUTE, Fused(ops, qkv, gate_up, packed))
     layer.forward = _forward.__get__(layer)
 
@@ -105,14 +106,14 @@ def attach(layer: nn.Module, ops) -> None:
 def detach(layer: nn.Module) -> None:
     """Undo ``attach``: the stock forward, the separate layers packed again where they were (their weights stay
     views of the joint ones: the same numbers)."""
-    fused = layer.__dict__.pop(ATTRIBUTE, None)
-    if fused is None:
+    if ATTRIBUTE not in layer.__dict__:
         return
+    fused = layer.__dict__.pop(ATTRIBUTE)
     layer.__dict__.pop("forward", None)
-    for path in fused.packed:
+    for path, rows in (fused.packed if fused is not None else {}).items():  # None: a deep copy's (Fused.__deepcopy__)
         parent_name, name = path.split(".")
         parent = getattr(layer, parent_name)
-        setattr(parent, name, kernels.PackedLinear(getattr(parent, name)))
+        setattr(parent, name, kernels.PackedLinear(getattr(parent, name), rows))
 
 
 def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
