@@ -131,11 +131,12 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         run = list(r["completion_token_ids"])
         noise = _noise_for(settings, i, r, len(prompt_ids), model.device)
         mask = _mask_for(meta, r, tokenizer, eos, model.config.vocab_size, len(prompt_ids))
-        ref, logits = _decode(model, prompt_ids, int(settings.value("max_new_tokens", i)), eos, noise, mask)
+        ref, scores, logits = _decode(model, prompt_ids, int(settings.value("max_new_tokens", i)), eos, noise, mask)
         report.checked += 1
-        mismatch = _compare(i, r["id"], run, ref, logits, r["finish_reason"], tolerance, units, model.dtype)
-        if mismatch is not None and noise is None and mask is None:
-            recheck(mismatch, exact, prompt_ids, ref, tolerance, units, model.dtype)
+        sampled = (logits, noise.temperature) if noise is not None else None
+        mismatch = _compare(i, r["id"], run, ref, scores, r["finish_reason"], tolerance, units, model.dtype, sampled)
+        if mismatch is not None and mask is None:
+            recheck(mismatch, exact, prompt_ids, ref, tolerance, units, model.dtype, sampled)
         if mismatch is None:
             report.exact += 1
         else:
@@ -168,7 +169,7 @@ class KeyedGumbel:
     """A logits processor: warped log-probabilities plus the row's keyed Gumbel noise at each position."""
 
     def __init__(self, key: int, prompt_len: int, temperature: float, top_k: int, top_p: float, device):
-        self.prompt_len = prompt_len
+        self.prompt_len, self.temperature = prompt_len, temperature
         self.key = torch.tensor([key], dtype=torch.long, device=device)
         self.settings = (torch.tensor([temperature], dtype=torch.float64), torch.tensor([top_k]),
                          torch.tensor([top_p], dtype=torch.float64))
@@ -241,22 +242,25 @@ _LLG_TOKENIZERS: dict = {}
 
 @torch.no_grad()
 def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
-            noise: KeyedGumbel | None, mask: GrammarMask | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Plain decoding of one prompt: the argmax of the (masked) logits, or of the noised scores for a sampled row."""
+            noise: KeyedGumbel | None, mask: GrammarMask | None = None
+            ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Plain decoding of one prompt: the argmax of the (masked) logits, or of the noised scores for a sampled row.
+    Returns the tokens, the scores each was the argmax of, and the model's own logits at each step."""
     from transformers import LogitsProcessorList
 
     input_ids = torch.tensor([prompt_ids], device=model.device)
     processors = [p for p in (mask, noise) if p is not None]
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                         return_dict_in_generate=True, output_logits=not processors, output_scores=bool(processors),
+                         return_dict_in_generate=True, output_logits=True, output_scores=bool(processors),
                          logits_processor=LogitsProcessorList(processors))
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     for j, t in enumerate(tokens):
         if t in eos:
             tokens = tokens[: j + 1]
             break
-    return tokens, [step[0] for step in (out.scores if processors else out.logits)]
+    raw = [step[0] for step in out.logits]
+    return tokens, [step[0] for step in out.scores] if processors else raw, raw
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # a reference in these rounds as much as the run: re-checked
@@ -293,23 +297,39 @@ class Float64:
 
 
 def recheck(mismatch: Mismatch, exact: Float64, prompt_ids: list[int], ref: list[int], tolerance: float,
-            units: float, dtype: torch.dtype) -> None:
-    """A greedy difference beyond the units in a low-precision dtype, measured again in float64 at the same prefix:
-    a near-tie when float64's margin is within the units (or the run's token is float64's own choice). The
-    reference rounds as the run does, so its margin alone can exceed the units where the true one does not."""
+            units: float, dtype: torch.dtype, sampled: tuple[list[torch.Tensor], float] | None = None) -> None:
+    """A difference beyond the units in a low-precision dtype, measured again in float64 at the same prefix: a
+    near-tie when float64's margin is within the units (or the run's token is float64's own choice). The reference
+    rounds as the run does, so its margin alone can exceed the units where the true one does not. A sampled row
+    (``sampled``: its raw logits and temperature, as ``_compare`` takes them): its scores' margin with the two
+    tokens' logit difference taken in float64 instead (the noise and the warping's shared shift are the same)."""
     m = mismatch
-    if m.near_tie or dtype not in LOW_PRECISION or m.run_token is None or m.reference_token is None:
+    if m.near_tie or dtype not in LOW_PRECISION or m.run_token is None or m.reference_token is None \
+            or m.margin is None or not math.isfinite(m.margin):
         return
     found = exact.margin(prompt_ids + ref[: m.position], m.reference_token, m.run_token)
     if found is None:
         return
     margin, magnitude = found
+    ruler = unit(dtype, magnitude)
+    if sampled is not None:
+        raw, temperature = sampled
+        low = float(raw[m.position][m.reference_token]) - float(raw[m.position][m.run_token])
+        margin = m.margin + (margin - low) / temperature
+        ruler /= temperature
     m.float64_margin = margin
-    m.near_tie = margin < tolerance or margin / unit(dtype, magnitude) <= units
+    m.near_tie = margin < tolerance or margin / ruler <= units
 
 
 def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list[torch.Tensor], finish_reason: str,
-             tolerance: float, units: float = DEFAULT_UNITS, dtype: torch.dtype = torch.float32) -> Mismatch | None:
+             tolerance: float, units: float = DEFAULT_UNITS, dtype: torch.dtype = torch.float32,
+             sampled: tuple[list[torch.Tensor], float] | None = None) -> Mismatch | None:
+    """The first difference between the run's tokens and the reference's, None where there is none. ``logits``: the
+    scores the reference took each argmax of. ``sampled``: a sampled row's raw logits at each step and its
+    temperature. Its scores are log-probabilities at logits / temperature plus the same Gumbel noise the run drew,
+    so a difference between two tokens' scores carries the rounding of their logits divided by the temperature: the
+    units are the dtype's at the logits' magnitude, over the temperature (not at the scores' own, often far smaller,
+    magnitude)."""
     if finish_reason == "stop_string" and ref[: len(run)] == run:
         return None  # the run cut at a stop string; the reference does not know about stop strings
     if run == ref:
@@ -322,6 +342,12 @@ def _compare(row: int, row_id: str, run: list[int], ref: list[int], logits: list
         step = logits[j].double()
         own, other = float(step[ref_tok]), float(step[run_tok])
         margin = own - other  # inf where the run's token is outside the reference's top-k / top-p
-        in_units = margin / unit(dtype, max(abs(own), abs(other))) if math.isfinite(margin) else margin
+        in_units = margin  # inf where the margin is
+        if math.isfinite(margin):
+            ruler = unit(dtype, max(abs(own), abs(other)))
+            if sampled is not None:
+                raw, temperature = sampled
+                ruler = unit(dtype, max(abs(float(raw[j][ref_tok])), abs(float(raw[j][run_tok])))) / temperature
+            in_units = margin / ruler
     near_tie = margin is not None and (margin < tolerance or in_units <= units)
     return Mismatch(row, row_id, j, run_tok, ref_tok, margin, near_tie=near_tie, units=in_units)

@@ -41,6 +41,23 @@ def test_a_margin_is_a_near_tie_within_the_units_or_the_absolute_floor():
     assert verify._compare(0, "a", [2], [1], [logits[0]], "length", 1e-3, 0, torch.float32).near_tie
 
 
+def test_a_sampled_rows_margin_is_judged_in_units_of_its_logits_over_the_temperature():
+    """A sampled row's scores are log-probabilities at logits / T plus the run's own noise: the two tokens' scores
+    differ by their logits' difference over T (and the noise), so the rounding that can move them is the logits'
+    unit over T, not a unit at the scores' magnitude (here under 1, where bfloat16's unit is 64x finer)."""
+    scores = torch.full((1, 5), float("-inf"), dtype=torch.float64)
+    scores[0, 1], scores[0, 2] = 0.55, 0.40  # the reference's token ahead by 0.15 in score space
+    raw = torch.zeros(1, 5)
+    raw[0, 1], raw[0, 2] = 17.0, 16.5  # the model's own logits there: a bfloat16 unit of 0.125
+    plain = verify._compare(0, "a", [2], [1], [scores[0]], "length", 1e-3, 4, torch.bfloat16)
+    assert not plain.near_tie and plain.units > 4  # 0.15 against a unit of 2 ** -8: 38 units
+    sampled = verify._compare(0, "a", [2], [1], [scores[0]], "length", 1e-3, 4, torch.bfloat16, ([raw[0]], 0.8))
+    assert sampled.near_tie and sampled.units == pytest.approx(0.15 / (0.125 / 0.8))
+    scores[0, 1] = 0.40 + 8 * 0.125 / 0.8  # 8 units of the logits over T: beyond the ruler
+    assert not verify._compare(0, "a", [2], [1], [scores[0]], "length", 1e-3, 4, torch.bfloat16,
+                               ([raw[0]], 0.8)).near_tie
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     return save_target_and_draft_dirs(tmp_path_factory.mktemp("verify_models"))
@@ -60,6 +77,21 @@ def test_a_bfloat16_run_passes_its_audit_and_a_changed_token_does_not(tmp_path, 
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 0 and "0 unexplained" in audit.output and "bfloat16 units" in audit.output, audit.output
     tamper_token(out, 1, 0, 13)  # a token the reference did not choose
+    audit = runner.invoke(app, ["verify", str(out)])
+    assert audit.exit_code == 1 and "1 unexplained" in audit.output, audit.output
+
+
+def test_a_sampled_bfloat16_run_passes_its_audit_and_a_changed_token_does_not(tmp_path, model_dirs):
+    target, _ = model_dirs
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"q{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    out = tmp_path / "out.parquet"
+    result = runner.invoke(app, ["generate", str(inp), str(out), "--target", target, "--max-new-tokens", "12",
+                                 "--quiet", "--dtype", "bfloat16", "--batch-size", "4", "--mode", "ar",
+                                 "--temperature", "0.8", "--seed", "5"])
+    assert result.exit_code == 0, result.output
+    audit = runner.invoke(app, ["verify", str(out)])
+    assert audit.exit_code == 0 and "0 unexplained" in audit.output, audit.output
+    tamper_token(out, 1, 0, 13)
     audit = runner.invoke(app, ["verify", str(out)])
     assert audit.exit_code == 1 and "1 unexplained" in audit.output, audit.output
 
