@@ -41,6 +41,8 @@ from . import widths
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layers_cpu.cpp"))  # built into one library
 HEADERS = (SOURCE.with_name("native_cpu.h"),)
+# no contraction into fused multiply-adds: layers_cpu.cpp rounds every product as transformers does
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 MAX_QUERY = 16  # longer queries (a prefill, a long catch-up) keep SDPA: its blocked products pay there
 DTYPES = (torch.float32, torch.bfloat16)
 ATTRIBUTE = "batchspec_attend"  # set on a model's attention layers by ``attach``
@@ -81,8 +83,9 @@ _lock = threading.Lock()
 
 
 def _key() -> str:
-    """What the built library depends on: the source, this CPU (-march=native) and the versions it links."""
-    digest = hashlib.sha256()
+    """What the built library depends on: the sources, the flags, this CPU (-march=native) and the versions it
+    links."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     flags = widths.cpuinfo("flags", "Features") or platform.processor()  # x86's flags, ARM's features
@@ -173,8 +176,7 @@ def _build() -> Built:
             cpp_extension.load(
                 name=f"batchspec_attention_{key}", sources=[str(path) for path in SOURCES],
                 build_directory=str(where), extra_include_paths=[str(SOURCE.parent)],
-                # no contraction into fused multiply-adds: layers_cpu.cpp rounds every product as transformers does
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"],
+                extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
                 is_python_module=False, verbose=False)
         module = torch.ops.batchspec
     except Exception as exc:  # no compiler, no ninja, a compile error: attention stays on SDPA
