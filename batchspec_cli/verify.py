@@ -245,21 +245,23 @@ def _decode(model, prompt_ids: list[int], max_new_tokens: int, eos: list[int],
             noise: KeyedGumbel | None, mask: GrammarMask | None = None
             ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
     """Plain decoding of one prompt: the argmax of the (masked) logits, or of the noised scores for a sampled row.
-    Returns the tokens, the scores each was the argmax of, and the model's own logits at each step."""
+    Returns the tokens, the scores each was the argmax of, and the model's own logits at each step (none for a
+    constrained greedy row: nothing reads them)."""
     from transformers import LogitsProcessorList
 
     input_ids = torch.tensor([prompt_ids], device=model.device)
     processors = [p for p in (mask, noise) if p is not None]
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                          max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                         return_dict_in_generate=True, output_logits=True, output_scores=bool(processors),
+                         return_dict_in_generate=True, output_logits=noise is not None or not processors,
+                         output_scores=bool(processors),
                          logits_processor=LogitsProcessorList(processors))
     tokens = out.sequences[0, len(prompt_ids):].tolist()
     for j, t in enumerate(tokens):
         if t in eos:
             tokens = tokens[: j + 1]
             break
-    raw = [step[0] for step in out.logits]
+    raw = [step[0] for step in out.logits] if out.logits is not None else []  # a masked greedy row's: not kept
     return tokens, [step[0] for step in out.scores] if processors else raw, raw
 
 

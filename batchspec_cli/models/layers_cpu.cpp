@@ -16,7 +16,6 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
-#include <cstring>
 #include <tuple>
 #include "native_cpu.h"
 
@@ -24,30 +23,10 @@ namespace {
 constexpr int LANES = 16;
 constexpr int64_t GRAIN = 16;  // rows a thread takes at least
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-// x rounded to T (nearest even for bfloat16, as c10 rounds), kept as float: the next operation reads it as T.
+// x rounded to T (c10's own rounding: nearest even for bfloat16), kept as float: the next operation reads it as T.
 template <typename T>
 inline float rounded(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    if ((bits & 0x7fffffffu) <= 0x7f800000u) bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    std::memcpy(&x, &bits, 4);
-    return x;
-  }
-}
-template <typename T>
-inline T store(float x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return c10::BFloat16(x);  // x is already rounded: exact
+  return static_cast<float>(static_cast<T>(x));
 }
 
 #ifdef BATCHSPEC_AVX512
@@ -79,18 +58,18 @@ void norm_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES)
     for (int l = 0; l < LANES; ++l) {
-      const float v = as_float(x[i + l]);
+      const float v = static_cast<float>(x[i + l]);
       lane[l] += v * v;
     }
   for (int l = 0; i < n; ++i, ++l) {
-    const float v = as_float(x[i]);
+    const float v = static_cast<float>(x[i]);
     lane[l] += v * v;
   }
   for (int width = LANES / 2; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
   const float inv = 1.f / std::sqrt(lane[0] / static_cast<float>(n) + eps);
   for (int64_t j = 0; j < n; ++j)
-    out[j] = store<T>(rounded<T>(as_float(w[j]) * rounded<T>(as_float(x[j]) * inv)));
+    out[j] = static_cast<T>(static_cast<float>(w[j]) * rounded<T>(static_cast<float>(x[j]) * inv));
 }
 
 template <typename T>
@@ -105,7 +84,8 @@ void norm_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double
       const T* row = xs + r * n;
       if (as) {  // the residual sum first, rounded as the layer's own addition rounds it
         T* s = ss + r * n;
-        for (int64_t j = 0; j < n; ++j) s[j] = store<T>(rounded<T>(as_float(as[r * n + j]) + as_float(row[j])));
+        for (int64_t j = 0; j < n; ++j)
+          s[j] = static_cast<T>(static_cast<float>(as[r * n + j]) + static_cast<float>(row[j]));
         row = s;
       }
       norm_row(row, ws, os + r * n, n, static_cast<float>(eps));
@@ -138,8 +118,8 @@ void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t n) {
       }
 #endif
       for (; j < n; ++j) {
-        const float x = as_float(g[j]);
-        o[j] = store<T>(rounded<T>(rounded<T>(x / (1.f + std::exp(-x))) * as_float(u[j])));
+        const float x = static_cast<float>(g[j]);
+        o[j] = static_cast<T>(rounded<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[j]));
       }
     }
   });
@@ -160,14 +140,14 @@ void rope_rows(const T* qkv, const T* cos, const T* sin, bool cos_per_row, T* q,
         const T* x = qkv + p * width + h * D;
         T* o = h < H ? q + (p * H + h) * D : k + (p * G + h - H) * D;
         for (int64_t d = 0; d < half; ++d) {
-          const float a = rounded<T>(as_float(x[d]) * as_float(c[d]));
-          const float r = rounded<T>(-as_float(x[d + half]) * as_float(s[d]));
-          o[d] = store<T>(rounded<T>(a + r));
+          const float a = rounded<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+          const float r = rounded<T>(-static_cast<float>(x[d + half]) * static_cast<float>(s[d]));
+          o[d] = static_cast<T>(a + r);
         }
         for (int64_t d = half; d < D; ++d) {
-          const float a = rounded<T>(as_float(x[d]) * as_float(c[d]));
-          const float r = rounded<T>(as_float(x[d - half]) * as_float(s[d]));
-          o[d] = store<T>(rounded<T>(a + r));
+          const float a = rounded<T>(static_cast<float>(x[d]) * static_cast<float>(c[d]));
+          const float r = rounded<T>(static_cast<float>(x[d - half]) * static_cast<float>(s[d]));
+          o[d] = static_cast<T>(a + r);
         }
       }
     }

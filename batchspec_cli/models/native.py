@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from . import widths
+from . import layers, widths
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("layers_cpu.cpp"))  # built into one library
@@ -214,8 +214,6 @@ def attach(model: torch.nn.Module) -> bool:
         return False
     for layer in _attention_layers(model):
         setattr(layer, ATTRIBUTE, built)
-    from . import layers
-
     for layer in model.modules():
         if layers.fusable(layer):
             layers.attach(layer, built.ops)
@@ -231,8 +229,6 @@ def running(model: torch.nn.Module) -> str:
 
 def detach(model: torch.nn.Module) -> None:
     """Undo ``attach``."""
-    from . import layers
-
     for layer in _attention_layers(model):
         if hasattr(layer, ATTRIBUTE):
             delattr(layer, ATTRIBUTE)
