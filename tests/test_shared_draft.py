@@ -62,6 +62,31 @@ def test_head_scores_its_tokens_and_rules_out_the_rest(target, tokenizer, tmp_pa
     assert (path / "model.safetensors").stat().st_size < 2 * sum(p.numel() for p in draft.model.layers.parameters()) + 4096
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_kernels_pack_the_head_and_it_scores_the_same(target, tokenizer, tmp_path, dtype):
+    """``kernels.prepack`` packs the head's product like the draft's other linears (the stock bfloat16 product
+    re-laid its weight out at every call); the packed head scores its tokens as the dense product does, to the
+    dtype's rounding, and still rules the rest out."""
+    from batchspec_cli.models import kernels
+
+    if not kernels.available():
+        pytest.skip("this PyTorch has no oneDNN")
+    head_ids = torch.arange(1, len(tokenizer), 3)
+    path = write_shared_draft(target, tokenizer, tmp_path / "draft", head_ids)
+    draft = models.load_draft(str(path), loaded(copy.deepcopy(target).to(dtype), tokenizer)).model
+    hidden = torch.randn(2, 3, target.config.hidden_size).to(dtype)
+    with torch.no_grad():
+        dense = hidden.float() @ draft.lm_head.weight.float().T
+        kernels.prepack(draft, min_rows=1)
+        assert isinstance(draft.lm_head.rows, kernels.PackedLinear)
+        packed = draft.lm_head(hidden)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(packed[..., head_ids].float(), dense, rtol=tolerance, atol=tolerance * dense.abs().max())
+    outside = torch.ones(len(tokenizer), dtype=torch.bool)
+    outside[head_ids] = False
+    assert (packed[..., outside] == torch.finfo(dtype).min).all()
+
+
 def test_every_weight_of_a_loaded_draft_is_the_file_s_or_the_target_s(target, tokenizer, tmp_path):
     """The loader builds the draft without a random init (every weight is loaded or borrowed): none is left as it was
     allocated, and its buffers (rotary frequencies) are those of a model built the usual way."""

@@ -454,16 +454,26 @@ a subset of the vocabulary (``head_ids``). A small file, a wide draft, a cheap h
 
 class SubsetHead(torch.nn.Module):
     """An output head over a subset of the vocabulary; every other token gets the dtype's
-    minimum logit (probability 0 after softmax, so rejection sampling stays exact)."""
+    minimum logit (probability 0 after softmax, so rejection sampling stays exact).
+
+    The product runs in an ``nn.Linear`` child (``rows``), so that ``kernels.prepack`` packs it like
+    every other linear: the stock bfloat16 product re-laid the weight out at every call, 6 ms a
+    draft step at batch 1 on a CPU, where the packed one takes about 1."""
 
     def __init__(self, weight: torch.Tensor, token_ids: torch.Tensor, vocab_size: int):
         super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [subset, hidden]
+        self.rows = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                    device=weight.device, dtype=weight.dtype)  # [subset, hidden]
+        self.rows.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.register_buffer("token_ids", token_ids.long(), persistent=False)
         self.vocab_size = vocab_size
 
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.rows.weight
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = hidden @ self.weight.T
+        logits = self.rows(hidden)
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), torch.finfo(logits.dtype).min)
         return full.index_copy_(-1, self.token_ids, logits)
 
