@@ -84,8 +84,10 @@ _lock = threading.Lock()
 
 def _key() -> str:
     """What the built library depends on: the sources, the flags, this CPU (-march=native) and the versions it
-    links."""
+    links; and where the sources are, since PyTorch's builder rebuilds a directory whose sources moved (two
+    installs taking turns would each rebuild, 20 s, at every run)."""
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    digest.update(str(SOURCE.parent.resolve()).encode())
     for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     flags = widths.cpuinfo("flags", "Features") or platform.processor()  # x86's flags, ARM's features
