@@ -63,6 +63,7 @@ class LazyDraft:
                 native.attach(draft.model)
                 if self.tuning is not None:
                     tune_kernels(draft, self.tuning)
+                    tune_native(draft, self.tuning)
             self.loaded = draft
         return ModelHandle(self.loaded.model, models.cache_kwarg(self.loaded.model))
 
@@ -172,7 +173,12 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
         for model in loaded:
             if model is not None:
                 tune_kernels(model, tuning)
-    return "packed", attach_attention(present)
+    notes = attach_attention(present)
+    if tuning is not None:
+        for model in loaded:
+            if model is not None:
+                tune_native(model, tuning)
+    return "packed", notes
 
 
 def attach_attention(present: list) -> list[str]:
@@ -210,4 +216,26 @@ def tune_kernels(loaded: models.LoadedModel, memory: widths.MachineMemory) -> in
         rows, timings = kernels.measure_min_rows(model)
         memory.put(job, {"min_rows": rows, "ms": timings})
     kernels.set_min_rows(model, rows)
+    return rows
+
+
+def tune_native(loaded: models.LoadedModel, memory: widths.MachineMemory) -> int:
+    """Run ``loaded``'s bfloat16 linears on batchspec's kernel up to the rows from which this machine measured oneDNN's
+    faster (``kernels.measure_native_rows``: a CPU with AMX tiles takes wide products back), measured once per machine
+    and model and remembered in ``memory``. Returns those rows (0: oneDNN runs them all, or no kernel applies)."""
+    from ..models import kernels
+
+    model = loaded.model
+    built = native.load()
+    layers = native.packed_linears(model)
+    if not (built.linear and any(kernels.nativeable(layer) for layer in layers)):
+        return 0
+    job = {"native rows of": str(model.config.name_or_path or loaded.name), "dtype": str(model.dtype),
+           "parameters": sum(p.numel() for p in model.parameters()), "kernels": built.key}
+    entry = memory.get(job)
+    rows = entry.get("native_rows") if isinstance(entry, dict) else None
+    if not (isinstance(rows, int) and (0 <= rows <= kernels.NATIVE_ROWS_TIMED[-1] or rows == kernels.EVERY_ROWS)):
+        rows, timings = kernels.measure_native_rows(layers, built.ops)
+        memory.put(job, {"native_rows": rows, "ms": timings})
+    native.use_native_rows(model, rows)
     return rows

@@ -90,9 +90,14 @@ class PackedLinear(nn.Linear):
             (MAX_ROWS_BF16 if bf16 else MAX_ROWS) * self.in_features  # [first, last] input elements run packed
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        # batchspec's bfloat16 kernel (``use_native``): its ops, its layout of the weight, the most input elements it runs
+        self.native_ops, self.native, self.native_last = None, None, -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.first <= x.numel() <= self.last:
+        size = x.numel()
+        if size <= self.native_last and x.dtype == torch.bfloat16:
+            return self.native_ops.linear(x, self.native, self.out_features)
+        if self.packed is None or not self.first <= size <= self.last:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
@@ -109,7 +114,8 @@ class PackedLinear(nn.Linear):
         return PackedLinear(copy.deepcopy(self.to_linear(), memo), self.min_rows)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, min_rows={self.min_rows}"
+        native = f", native_rows={self.native_last // self.in_features}" if self.native is not None else ""
+        return f"{super().extra_repr()}, min_rows={self.min_rows}{native}"
 
 
 def set_min_rows(model: nn.Module, min_rows: int) -> None:
@@ -119,6 +125,106 @@ def set_min_rows(model: nn.Module, min_rows: int) -> None:
     for layer in model.modules():
         if isinstance(layer, PackedLinear):
             layer.min_rows, layer.first = min_rows, min_rows * layer.in_features
+
+
+def nativeable(layer: nn.Module) -> bool:
+    """Whether batchspec's bfloat16 linear kernel can run ``layer``: a bfloat16 ``PackedLinear`` without bias and with
+    an even number of input features."""
+    return (isinstance(layer, PackedLinear) and layer.weight.dtype == torch.bfloat16 and layer.bias is None
+            and layer.in_features % 2 == 0)
+
+
+def use_native(layers: list[nn.Module], ops, rows: int) -> None:
+    """Run the ``nativeable`` of ``layers`` on batchspec's bfloat16 kernel (``ops``: ``torch.ops.batchspec``, built with
+    ``linear_cpu.cpp``) for inputs of up to ``rows`` rows (``EVERY_ROWS``: all); 0 gives them back to oneDNN. Where the kernel takes every
+    size oneDNN did, oneDNN's copy of the weight is freed (the memory stays what packing took)."""
+    for layer in layers:
+        if not nativeable(layer):
+            continue
+        if rows <= 0:
+            drop_native(layer)
+            continue
+        if layer.native is None:
+            with torch.no_grad():
+                layer.native = ops.pack_linear(layer.weight.detach())
+        layer.native_ops = ops
+        layer.native_last = EVERY_ROWS * layer.in_features if rows >= EVERY_ROWS else rows * layer.in_features
+        if layer.native_last >= layer.last:
+            layer.packed = None
+
+
+def drop_native(layer: PackedLinear) -> None:
+    """Undo ``use_native`` on ``layer``: oneDNN runs it again, its copy of the weight made anew where it was freed."""
+    layer.native_ops, layer.native, layer.native_last = None, None, -1
+    if layer.packed is None:
+        with torch.no_grad():
+            layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+
+
+NATIVE_ROWS_TIMED = (1, 4, 16, 64, 256, 1024)  # the input sizes ``measure_native_rows`` compares
+NATIVE_WIDE_ROWS = 64  # from these rows a product is compute-bound: timed on the first ``NATIVE_WIDE_BYTES`` only
+NATIVE_WIDE_BYTES = 16 * 2**20
+EVERY_ROWS = 1 << 30  # the kernel runs every size (it was never slower, up to a prefill's 1,024 rows)
+DEFAULT_NATIVE_ROWS = 8  # unmeasured (--kernels packed): a product streaming its weights, where it was 1.5-2x oneDNN's
+
+
+def native_rows_from(before: dict[int, float], native: dict[int, float]) -> int:
+    """The most rows the native kernel runs: the largest timed size up to which it was never slower than the kernel
+    that ran that size before (oneDNN's packed one, the stock one above ``MAX_ROWS_BF16``); ``EVERY_ROWS`` when it
+    never was; 0 when it was slower at the smallest."""
+    rows = 0
+    for size in sorted(native):
+        if native[size] > before[size]:
+            return rows
+        rows = size
+    return EVERY_ROWS if rows else 0
+
+
+@torch.no_grad()
+def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = NATIVE_ROWS_TIMED,
+                        repeats: int = 1) -> tuple[int, dict]:
+    """Time batchspec's kernel against the one that runs each size of ``sizes`` rows today (oneDNN's packed kernel up
+    to ``MAX_ROWS_BF16`` rows, the stock one above) on the ``nativeable`` of ``layers``, in order until ``TIMED_BYTES``
+    of weights (``NATIVE_WIDE_BYTES`` from ``NATIVE_WIDE_ROWS`` rows), interleaved, the fastest of ``repeats`` after
+    one untimed pass. Returns (``native_rows_from`` the timings, {"before"|"native": {rows: ms}}); (0, {}) without
+    such layers."""
+    timed, streamed = [], 0
+    for layer in layers:
+        if nativeable(layer) and streamed < TIMED_BYTES:
+            native = layer.native if layer.native is not None else ops.pack_linear(layer.weight.detach())
+            packed = layer.packed if layer.packed is not None else \
+                torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
+            timed.append((layer, native, packed, streamed < NATIVE_WIDE_BYTES))
+            streamed += layer.weight.numel() * layer.weight.element_size()
+    if not timed:
+        return 0, {}
+    inputs = {(rows, n): torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+              for rows in sizes for n in {entry[0].in_features for entry in timed}}
+
+    def seconds(rows: int, native: bool) -> float:
+        start = time.perf_counter()
+        for layer, weight, packed, wide in timed:
+            if rows >= NATIVE_WIDE_ROWS and not wide:
+                break
+            x = inputs[rows, layer.in_features]
+            if native:
+                ops.linear(x, weight, layer.out_features)
+            elif rows <= MAX_ROWS_BF16:
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            else:
+                F.linear(x, layer.weight)
+        return time.perf_counter() - start
+
+    best: dict[tuple[int, bool], float] = {}
+    for attempt in range(repeats + 1):  # the first builds oneDNN's kernels for each size: not timed
+        for rows in sizes:
+            for native in ((False, True) if attempt % 2 else (True, False)):
+                took = seconds(rows, native)
+                if attempt:
+                    best[rows, native] = min(took, best.get((rows, native), took))
+    before = {rows: best[rows, False] * 1e3 for rows in sizes}
+    native = {rows: best[rows, True] * 1e3 for rows in sizes}
+    return native_rows_from(before, native), {"before": before, "native": native}
 
 
 ROWS_TIMED = (1, 2, 3, 4, 6, 8)  # the input sizes ``measure_min_rows`` compares; above them packed is taken as faster
@@ -143,7 +249,7 @@ def measure_min_rows(model: nn.Module, sizes: tuple[int, ...] = ROWS_TIMED, repe
     (``min_rows_from`` the timings, {"stock"|"packed": {rows: ms}}). A model without packed layers: (1, {})."""
     layers, streamed = [], 0
     for layer in model.modules():
-        if isinstance(layer, PackedLinear) and streamed < TIMED_BYTES:
+        if isinstance(layer, PackedLinear) and layer.packed is not None and streamed < TIMED_BYTES:
             layers.append(layer)
             streamed += layer.weight.numel() * layer.weight.element_size()
     if not layers:

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from . import layers, widths
+from . import kernels, layers, widths
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
-SOURCES = (SOURCE, SOURCE.with_name("layers_cpu.cpp"))  # built into one library
+SOURCES = (SOURCE, SOURCE.with_name("layers_cpu.cpp"), SOURCE.with_name("linear_cpu.cpp"))  # one library
 HEADERS = (SOURCE.with_name("native_cpu.h"),)
 # no contraction into fused multiply-adds: layers_cpu.cpp rounds every product as transformers does
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
@@ -58,6 +58,8 @@ class Built:
         # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
         self.causal = module.causal if module is not None and module.has_causal() else None
         self.ops = module  # every operator, the layers' elementwise ones too (``layers``)
+        # the bfloat16 linear kernel, where the CPU has AVX512-BF16 (kernels.use_native runs it)
+        self.linear = module is not None and module.has_linear()
         self.error, self.seconds, self.built_now = error, seconds, built_now
         self.key = key  # the build's key (source, CPU, versions)
         self._told = False
@@ -219,7 +221,27 @@ def attach(model: torch.nn.Module) -> bool:
     for layer in model.modules():
         if layers.fusable(layer):
             layers.attach(layer, built.ops)
+    if built.linear:
+        kernels.use_native(packed_linears(model), built.ops, kernels.DEFAULT_NATIVE_ROWS)
     return True
+
+
+def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every ``kernels.PackedLinear`` a forward of ``model`` runs: its modules' and its fused layers' joint ones."""
+    found = [m for m in model.modules() if isinstance(m, kernels.PackedLinear)]
+    for layer in model.modules():
+        fused = layer.__dict__.get(layers.ATTRIBUTE)
+        if fused is not None:
+            found += [m for m in (fused.qkv, fused.gate_up) if isinstance(m, kernels.PackedLinear)]
+    return found
+
+
+def use_native_rows(model: torch.nn.Module, rows: int) -> None:
+    """Run ``model``'s bfloat16 linears on batchspec's kernel for inputs of up to ``rows`` rows (0: on oneDNN's), where
+    the kernel was built for this CPU."""
+    built = load()
+    if built.linear:
+        kernels.use_native(packed_linears(model), built.ops, rows)
 
 
 def running(model: torch.nn.Module) -> str:
@@ -234,6 +256,9 @@ def detach(model: torch.nn.Module) -> None:
     for layer in _attention_layers(model):
         if hasattr(layer, ATTRIBUTE):
             delattr(layer, ATTRIBUTE)
+    for layer in packed_linears(model):
+        if layer.native is not None:
+            kernels.drop_native(layer)
     for layer in model.modules():
         layers.detach(layer)
 

@@ -1,0 +1,138 @@
+// batchspec's bfloat16 linear layer for a CPU with AVX512-BF16; models/native.py builds it with the other kernels and
+// kernels.PackedLinear runs it (kernels.use_native) for the input sizes where this machine measured it faster.
+//
+// y[m, n] = sum_k x[m, k] w[n, k], bfloat16 in and out, summed in float32. The weight is laid out once (pack_linear)
+// in panels of 64 outputs whose k-pairs lie side by side, so one vdpbf16ps takes a pair of x's columns, broadcast, to
+// 16 outputs; a forward streams the panels once, whatever its rows, and keeps a tile of up to 6 rows x 64 outputs in
+// registers. Why: oneDNN's packed kernel streamed a decode step's weights at about half this CPU's memory bandwidth
+// for 1-8 rows (a batch-1 step is all weight streaming), and at 16-512 rows ran below this loop too.
+//
+// Every output is one float32 sum over k in a fixed order (pairs, as vdpbf16ps adds them, then k upwards), rounded to
+// bfloat16 at nearest even at the end: so a row's outputs never depend on the other rows of the product, on how
+// many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's size.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+#include <c10/util/BFloat16.h>
+#include <algorithm>
+#include "native_cpu.h"
+
+namespace {
+constexpr int64_t COLS = 64;  // outputs in a panel: 4 vectors of 16
+constexpr int ROWS = 6;       // rows in a register tile: 6 x 4 accumulators, 4 weight vectors
+
+bool has_linear() {
+#ifdef BATCHSPEC_AVX512BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight [n, k] -> [ceil(n / 64), k / 2, 64, 2]: for each panel and k-pair, the 64 outputs' pairs side by side
+// (outputs past n are zeros)
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
+              "pack_linear takes a 2-D bfloat16 CPU weight");
+  TORCH_CHECK(weight.size(1) % 2 == 0, "pack_linear takes an even number of input features");
+  const int64_t n = weight.size(0), pairs = weight.size(1) / 2, panels = (n + COLS - 1) / COLS;
+  const at::Tensor dense = weight.contiguous();
+  at::Tensor out = at::zeros({panels, pairs, COLS, 2}, weight.options());
+  const auto* src = reinterpret_cast<const int32_t*>(dense.data_ptr<c10::BFloat16>());  // a k-pair as one word
+  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      for (int64_t c = 0; c < COLS && p * COLS + c < n; ++c) {
+        const int32_t* row = src + (p * COLS + c) * pairs;
+        int32_t* to = dst + p * pairs * COLS + c;
+        for (int64_t j = 0; j < pairs; ++j) to[j * COLS] = row[j];
+      }
+  });
+  return out;
+}
+
+#ifdef BATCHSPEC_AVX512BF16
+// R rows of x (pairs words each) times one panel; writes the panel's `cols` outputs of each row
+template <int R>
+inline void tile(const int32_t* x, int64_t pairs, const c10::BFloat16* panel, c10::BFloat16* y, int64_t stride,
+                 int64_t cols) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    const c10::BFloat16* w = panel + j * COLS * 2;
+    __m512bh wv[4];
+    for (int b = 0; b < 4; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(x[r * pairs + j]);
+      for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xr, wv[b]);
+    }
+  }
+  for (int b = 0; b < 4 && b * 16 < cols; ++b) {
+    const int64_t live = std::min<int64_t>(16, cols - b * 16);
+    const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    for (int r = 0; r < R; ++r)
+      _mm256_mask_storeu_epi16(y + r * stride + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+  }
+}
+
+void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panel, c10::BFloat16* y,
+                   int64_t stride, int64_t cols) {
+  int64_t r = 0;
+  for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x + r * pairs, pairs, panel, y + r * stride, stride, cols);
+  const int32_t* xr = x + r * pairs;
+  c10::BFloat16* yr = y + r * stride;
+  switch (m - r) {
+    case 5: tile<5>(xr, pairs, panel, yr, stride, cols); break;
+    case 4: tile<4>(xr, pairs, panel, yr, stride, cols); break;
+    case 3: tile<3>(xr, pairs, panel, yr, stride, cols); break;
+    case 2: tile<2>(xr, pairs, panel, yr, stride, cols); break;
+    case 1: tile<1>(xr, pairs, panel, yr, stride, cols); break;
+    default: break;
+  }
+}
+#endif
+
+// x [..., k] bfloat16 times a packed weight of `out_features` outputs -> [..., out_features]
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear takes bfloat16 CPU tensors");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == k && packed.size(2) == COLS && packed.size(3) == 2 &&
+                  packed.size(0) * COLS >= out_features && packed.size(0) * COLS < out_features + COLS,
+              "linear: the input and the packed weight do not match");
+  const at::Tensor flat = x.reshape({-1, k}).contiguous();
+  const int64_t m = flat.size(0), panels = packed.size(0), pairs = k / 2;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  at::Tensor y = at::empty({m, out_features}, x.options());
+#ifdef BATCHSPEC_AVX512BF16
+  if (m > 0) {
+    const auto* xs = reinterpret_cast<const int32_t*>(flat.data_ptr<c10::BFloat16>());
+    const auto* ws = packed.data_ptr<c10::BFloat16>();
+    auto* ys = y.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+      for (int64_t p = first; p < last; ++p)
+        rows_by_panel(xs, m, pairs, ws + p * pairs * COLS * 2, ys + p * COLS, out_features,
+                      std::min<int64_t>(COLS, out_features - p * COLS));
+    });
+  }
+#endif
+  return y.view(shape);
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(batchspec, m) {
+  m.def("has_linear() -> bool", &has_linear);
+  m.def("pack_linear(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(batchspec, CPU, m) {
+  m.impl("pack_linear", &pack_linear);
+  m.impl("linear", &linear);
+}
