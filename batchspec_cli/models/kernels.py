@@ -35,6 +35,14 @@ AMD and AMX hosts measured, but on an AVX-512 Xeon without bfloat16 units MKL ra
 ``set_min_rows`` applies the fewest rows from which packed is never slower (``--kernels auto``; the job
 remembers it per machine and model, ``job.assembly.tune_kernels``).
 
+batchspec's own bfloat16 kernel (``models/linear_cpu.cpp``, built by ``native`` on a CPU with AVX512-BF16): oneDNN's
+packed path streamed a batch-1 step's weights at about half this CPU's memory bandwidth (11-14 of 22-25 GB/s at 1-8
+rows), and ran below the core's bfloat16 peak at 16-1,024 rows. ``use_native`` runs a bfloat16 ``PackedLinear`` on it
+for inputs of up to the rows ``measure_native_rows`` found it no slower than the kernel that ran them before (every
+size on a CPU without AMX, where it was 1.5-2x oneDNN's at 1-8 rows and 1.05-1.15x from 64 rows; on a CPU with AMX
+tiles oneDNN's wide products should stay faster, and the measurement keeps them). Each of its outputs is one float32
+sum in a fixed order, so a row's outputs do not depend on the rows beside it.
+
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
 runs are deterministic; but like the stock kernels (whose one-row and many-row paths also
