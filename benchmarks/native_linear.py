@@ -84,8 +84,9 @@ def main() -> None:
                    "native_gflops": flops / ms["native"] / 1e6,
                    "stock_over_native": ms["stock"] / ms["native"], "onednn_over_native": ms["onednn"] / ms["native"]}
             rows_out.append(row)
+            ratios = f"{row['stock_over_native']:>12.2f} {row['onednn_over_native']:>13.2f}"
             print(f"{rows:>6} " + " ".join(f"{ms[k]:>11.1f} {row['gb_per_s'][k]:>12.1f}" for k in KERNELS)
-                  + f"   {row['native_gflops']:>14.0f}  {row['stock_over_native']:>12.2f} {row['onednn_over_native']:>13.2f}")
+                  + f"   {row['native_gflops']:>14.0f}  {ratios}")
     print(json.dumps({"benchmark": "native_linear", "threads": args.threads, "layers": len(layers),
                       "weight_mib": total_bytes / 2**20, "rows": rows_out, "command": " ".join(sys.argv)}))
 

@@ -1,7 +1,7 @@
-"""batchspec's bfloat16 linear kernel (models/linear_cpu.cpp) and where it runs (kernels.use_native, assembly.tune_native):
-its products against float64 ones rounded to bfloat16, a row's outputs the same whatever rows and threads run beside
-it, every shape a model has (outputs not a multiple of 64, leading dims, no rows), the sizes it takes from oneDNN, and
-a model running on it against the stock model."""
+"""batchspec's bfloat16 linear kernel (models/linear_cpu.cpp) and where it runs (kernels.use_native,
+assembly.tune_native): its products against float64 ones rounded to bfloat16, a row's outputs the same whatever rows
+and threads run beside it, every shape a model has (outputs not a multiple of 64, leading dims, no rows), the sizes it
+takes from oneDNN, and a model running on it against the stock model."""
 
 import json
 

@@ -98,7 +98,8 @@ class PackedLinear(nn.Linear):
             (MAX_ROWS_BF16 if bf16 else MAX_ROWS) * self.in_features  # [first, last] input elements run packed
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        # batchspec's bfloat16 kernel (``use_native``): its ops, its layout of the weight, the most input elements it runs
+        # batchspec's bfloat16 kernel (``use_native``): its ops, its layout of the weight, the most input elements it
+        # runs (-1: none)
         self.native_ops, self.native, self.native_last = None, None, -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,8 +145,9 @@ def nativeable(layer: nn.Module) -> bool:
 
 def use_native(layers: list[nn.Module], ops, rows: int) -> None:
     """Run the ``nativeable`` of ``layers`` on batchspec's bfloat16 kernel (``ops``: ``torch.ops.batchspec``, built with
-    ``linear_cpu.cpp``) for inputs of up to ``rows`` rows (``EVERY_ROWS``: all); 0 gives them back to oneDNN. Where the kernel takes every
-    size oneDNN did, oneDNN's copy of the weight is freed (the memory stays what packing took)."""
+    ``linear_cpu.cpp``) for inputs of up to ``rows`` rows (``EVERY_ROWS``: all); 0 gives them back to oneDNN. Where
+    the kernel takes every size oneDNN did, oneDNN's copy of the weight is freed (the memory stays what packing
+    took)."""
     for layer in layers:
         if not nativeable(layer):
             continue

@@ -9,7 +9,8 @@
 //
 // Every output is one float32 sum over k in a fixed order (pairs, as vdpbf16ps adds them, then k upwards), rounded to
 // bfloat16 at nearest even at the end: so a row's outputs never depend on the other rows of the product, on how
-// many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's size.
+// many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's size. vdpbf16ps
+// reads subnormal bfloat16 inputs (below 1.2e-38 in magnitude) as zero and flushes subnormal sums to zero.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
