@@ -39,7 +39,7 @@ batchspec's own bfloat16 kernel (``models/linear_cpu.cpp``, built by ``native`` 
 packed path streamed a batch-1 step's weights at about half this CPU's memory bandwidth (11-14 of 22-25 GB/s at 1-8
 rows), and ran below the core's bfloat16 peak at 16-1,024 rows. ``use_native`` runs a bfloat16 ``PackedLinear`` on it
 for inputs of up to the rows ``measure_native_rows`` found it no slower than the kernel that ran them before (every
-size on a CPU without AMX, where it was 1.5-2x oneDNN's at 1-8 rows and 1.05-1.15x from 64 rows; on a CPU with AMX
+size on a CPU without AMX, where it was 1.6-2.2x oneDNN's at 1-8 rows and 1.04-1.11x from 64 rows; on a CPU with AMX
 tiles oneDNN's wide products should stay faster, and the measurement keeps them). Each of its outputs is one float32
 sum in a fixed order, so a row's outputs do not depend on the rows beside it.
 
