@@ -208,8 +208,7 @@ def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = N
             streamed += layer.weight.numel() * layer.weight.element_size()
     if not timed:
         return 0, {}
-    inputs = {(rows, n): torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-              for rows in sizes for n in {entry[0].in_features for entry in timed}}
+    inputs = _inputs(sizes, {entry[0].in_features for entry in timed}, torch.bfloat16)
 
     def seconds(rows: int, native: bool) -> float:
         start = time.perf_counter()
@@ -225,15 +224,7 @@ def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = N
                 F.linear(x, layer.weight)
         return time.perf_counter() - start
 
-    best: dict[tuple[int, bool], float] = {}
-    for attempt in range(repeats + 1):  # the first builds oneDNN's kernels for each size: not timed
-        for rows in sizes:
-            for native in ((False, True) if attempt % 2 else (True, False)):
-                took = seconds(rows, native)
-                if attempt:
-                    best[rows, native] = min(took, best.get((rows, native), took))
-    before = {rows: best[rows, False] * 1e3 for rows in sizes}
-    native = {rows: best[rows, True] * 1e3 for rows in sizes}
+    before, native = _fastest_ms(sizes, seconds, repeats)
     return native_rows_from(before, native), {"before": before, "native": native}
 
 
@@ -264,9 +255,7 @@ def measure_min_rows(model: nn.Module, sizes: tuple[int, ...] = ROWS_TIMED, repe
             streamed += layer.weight.numel() * layer.weight.element_size()
     if not layers:
         return 1, {}
-    weight = layers[0].weight
-    inputs = {(rows, n): torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
-              for rows in sizes for n in {layer.in_features for layer in layers}}
+    inputs = _inputs(sizes, {layer.in_features for layer in layers}, layers[0].weight.dtype)
 
     def seconds(rows: int, packed: bool) -> float:
         start = time.perf_counter()
@@ -278,16 +267,28 @@ def measure_min_rows(model: nn.Module, sizes: tuple[int, ...] = ROWS_TIMED, repe
                 F.linear(x, layer.weight, layer.bias)
         return time.perf_counter() - start
 
-    best: dict[tuple[int, bool], float] = {}
-    for attempt in range(repeats + 1):  # the first builds oneDNN's kernels for each size: not timed
-        for rows in sizes:
-            for packed in ((False, True) if attempt % 2 else (True, False)):
-                took = seconds(rows, packed)
-                if attempt:
-                    best[rows, packed] = min(took, best.get((rows, packed), took))
-    stock = {rows: best[rows, False] * 1e3 for rows in sizes}
-    packed = {rows: best[rows, True] * 1e3 for rows in sizes}
+    stock, packed = _fastest_ms(sizes, seconds, repeats)
     return min_rows_from(stock, packed), {"stock": stock, "packed": packed}
+
+
+def _inputs(sizes: tuple[int, ...], widths: set[int], dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
+    """A timing's inputs: random rows of each width at each size, the same on every machine."""
+    return {(rows, n): torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            for rows in sizes for n in widths}
+
+
+def _fastest_ms(sizes: tuple[int, ...], seconds, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """``seconds(rows, arm)`` for the two arms (False, True) at each size, interleaved (the order turned every
+    attempt), the fastest of ``repeats`` after one untimed attempt (it builds oneDNN's kernels for each size).
+    Returns the milliseconds of arm False and of arm True, by size."""
+    best: dict[tuple[int, bool], float] = {}
+    for attempt in range(repeats + 1):
+        for rows in sizes:
+            for arm in ((False, True) if attempt % 2 else (True, False)):
+                took = seconds(rows, arm)
+                if attempt:
+                    best[rows, arm] = min(took, best.get((rows, arm), took))
+    return ({rows: best[rows, False] * 1e3 for rows in sizes}, {rows: best[rows, True] * 1e3 for rows in sizes})
 
 
 def bound_caches() -> None:
