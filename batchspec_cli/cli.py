@@ -564,7 +564,8 @@ def verify(
         raise fail(str(exc)) from None
     out.print(f"checked {report.checked} rows ({report.skipped} error rows skipped): {report.exact} exact "
               f"({100 * report.exact_rate:.1f} %), {len(report.mismatches) - len(report.unexplained)} near-tie, "
-              f"{len(report.unexplained)} unexplained (near-tie: within {report.units:g} {report.dtype} units or "
+              f"{len(report.unexplained)} unexplained (near-tie: within {report.units:g} "
+              f"{report.ruler or report.dtype} units or "
               f"{report.tolerance:g})", highlight=False)
     if report.mismatches:
         from rich.table import Table

@@ -18,7 +18,7 @@ from .errors import one_line
 # The values a setting may take (the modules that act on them import them from here).
 MODES = ("auto", "ar", "eqspec", "exspec")  # --mode (engine.py)
 KERNELS = ("auto", "stock", "packed")
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "mixed", "float16", "float64")
 INPUT_FORMATS = ("auto", "table", "openai")  # table: rows with a prompt column; openai: OpenAI Batch requests
 OUTPUT_FORMATS = ("auto", "parquet", "openai")
 LOGPROBS_MODES = ("raw", "processed")  # --logprobs-mode (logprobs.py)

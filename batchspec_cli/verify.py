@@ -34,7 +34,7 @@ from .io.jsonl import JSONL_SUFFIXES
 from .io.prompts import render_prompt
 from .io.row_settings import OVERRIDES, row_value
 from .models import loading as models
-from .models.kernels import free_memory
+from .models.kernels import free_memory, is_mixed
 from .store.outputs import read_completions, read_run_metadata
 
 DEFAULT_TOLERANCE = 1e-3  # an absolute margin that is always a near-tie (the float32 audit's floor)
@@ -68,6 +68,7 @@ class VerifyReport:
     tolerance: float
     units: float = DEFAULT_UNITS
     dtype: str = "float32"
+    ruler: str = ""  # the dtype whose units the margins are in, where it is not ``dtype`` (a mixed run: bfloat16)
     mismatches: list[Mismatch] = field(default_factory=list)
 
     @property
@@ -118,7 +119,10 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
     if prompt_column not in table.column_names:
         raise InputError(f"{path}: prompt column {prompt_column!r} is not in the file")
     report = VerifyReport(checked=0, exact=0, skipped=skipped, tolerance=tolerance, units=units,
-                          dtype=str(model.dtype).removeprefix("torch."))
+                          dtype=models.dtype_name(model))
+    # a mixed run's products round their inputs to bfloat16: a difference of one rounding there is bfloat16's unit
+    ruler = torch.bfloat16 if is_mixed(model) else model.dtype
+    report.ruler = str(ruler).removeprefix("torch.")
     exact = Float64(model)
     for i in candidates:
         r = rows[i]
@@ -134,9 +138,9 @@ def verify_run(path: Path, sample: int | None = None, tolerance: float = DEFAULT
         ref, scores, logits = _decode(model, prompt_ids, int(settings.value("max_new_tokens", i)), eos, noise, mask)
         report.checked += 1
         sampled = (logits, noise.temperature) if noise is not None else None
-        mismatch = _compare(i, r["id"], run, ref, scores, r["finish_reason"], tolerance, units, model.dtype, sampled)
+        mismatch = _compare(i, r["id"], run, ref, scores, r["finish_reason"], tolerance, units, ruler, sampled)
         if mismatch is not None and mask is None:
-            recheck(mismatch, exact, prompt_ids, ref, tolerance, units, model.dtype, sampled)
+            recheck(mismatch, exact, prompt_ids, ref, tolerance, units, ruler, sampled)
         if mismatch is None:
             report.exact += 1
         else:

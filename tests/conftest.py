@@ -181,10 +181,11 @@ def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids:
 
 
 def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=None, max_new: int | list[int] = 13,
-                    eos=(1,), policy=None, lookups=None, pad_to=None, buckets=None):
+                    eos=(1,), policy=None, lookups=None, pad_to=None, buckets=None, logprobs=None):
     """Run the engine over prompts (ids ``r0``, ``r1``...); (results by row, step stats). Every row exactly once.
 
-    ``max_new``, ``pad_to``, ``buckets``: one value for every row or a list of per-row values."""
+    ``max_new``, ``pad_to``, ``buckets``: one value for every row or a list of per-row values; ``logprobs``: every
+    row's (``Request.logprobs``)."""
     from batchspec_cli.engine.core import Engine, ModelHandle
     from batchspec_cli.engine.events import Request, RowResult, Sampling
 
@@ -195,7 +196,8 @@ def run_engine_rows(target, draft, prompts: list[list[int]], cfg, *, settings=No
                     list(eos), cfg, policy=policy, lookups=lookups)
     results, stats = {}, []
     for event in engine.run(Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=limits[i],
-                                    sampling=settings or Sampling(), pad_to=pads[i], bucket=bucket_of[i])
+                                    sampling=settings or Sampling(), pad_to=pads[i], bucket=bucket_of[i],
+                                    logprobs=logprobs)
                             for i, p in enumerate(prompts)):
         if isinstance(event, RowResult):
             assert event.row not in results, "a row finished twice"

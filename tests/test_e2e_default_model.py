@@ -57,16 +57,17 @@ def test_default_mode_on_24_sample_prompts_equals_per_prompt_decoding_at_two_bat
     assert sum(len(r["completion_token_ids"]) for r in outputs[4]) > 24 * 20  # real completions, not empty rows
 
 
-def test_the_default_in_bfloat16_passes_its_audit_and_gives_the_same_rows_run_after_run(tmp_path):
-    """No flags (bfloat16 where the CPU computes it natively, the batch measured), 16 prompts x 32 tokens, twice:
-    `batchspec verify` finds no unexplained mismatch in the dtype's own units, and both runs wrote the same rows."""
+def test_bfloat16_passes_its_audit_and_gives_the_same_rows_run_after_run(tmp_path):
+    """`--dtype bfloat16` (the default on a CPU with AMX tiles; auto mode, the batch measured), 16 prompts x 32
+    tokens, twice: `batchspec verify` finds no unexplained mismatch in the dtype's own units, and both runs wrote the
+    same rows."""
     torch.set_num_threads(1)
     load_model(None, quiet=True)
     rows = []
     for run in (1, 2):
         out = tmp_path / f"run{run}.parquet"
         result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "16", "--max-new-tokens", "32",
-                                     "--quiet"])
+                                     "--dtype", "bfloat16", "--quiet"])
         assert result.exit_code == 0, result.output
         rows.append([r["completion_token_ids"] for r in pq.read_table(out).to_pylist()])
     verified = runner.invoke(app, ["verify", str(tmp_path / "run1.parquet")])
@@ -74,6 +75,33 @@ def test_the_default_in_bfloat16_passes_its_audit_and_gives_the_same_rows_run_af
         verified.output
     assert rows[0] == rows[1]
     assert sum(map(len, rows[0])) > 16 * 10
+
+
+def test_mixed_rows_are_the_same_at_every_batch_and_mode_and_pass_their_audit(tmp_path):
+    """`--dtype mixed` (bfloat16 products, float32 sums and activations), 12 prompts x 24 tokens: `ar` at batch 1,
+    the default (auto, the batch measured, the shipped draft) and `exspec -b 5` write the same tokens row for row,
+    and `batchspec verify` (transformers' float32 arithmetic on the same rounded numbers) finds none unexplained."""
+    from batchspec_cli.models import native
+
+    if not native.load().linear:
+        pytest.skip("--dtype mixed keeps rows batch-independent on batchspec's kernel: this CPU has no AVX512-BF16")
+    torch.set_num_threads(1)
+    load_model(None, quiet=True)
+    rows = {}
+    arms = (("ar1", ["--mode", "ar", "-b", "1"]), ("default", []), ("ex5", ["--mode", "exspec", "-b", "5"]))
+    for name, extra in arms:
+        out = tmp_path / f"{name}.parquet"
+        result = runner.invoke(app, ["generate", str(SAMPLE), str(out), "--limit", "12", "--max-new-tokens", "24",
+                                     "--dtype", "mixed", "--quiet", *extra])
+        assert result.exit_code == 0, result.output
+        rows[name] = [r["completion_token_ids"] for r in pq.read_table(out).to_pylist()]
+    assert rows["default"] == rows["ar1"] and rows["ex5"] == rows["ar1"]
+    assert sum(map(len, rows["ar1"])) > 12 * 12
+    assert json.loads(pq.read_schema(tmp_path / "default.parquet").metadata[b"batchspec"])["dtype"] == "mixed"
+    verified = runner.invoke(app, ["verify", str(tmp_path / "default.parquet")])
+    assert verified.exit_code == 0 and "12 rows" in verified.output and "0 unexplained" in verified.output, \
+        verified.output
+    assert "bfloat16 units" in verified.output
 
 
 def test_logprobs_5_on_12_prompts_match_a_per_prompt_plain_forward_within_1e_4(tmp_path):

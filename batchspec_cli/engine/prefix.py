@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..models.attention import group_forward
+from ..models.attention import Piece, group_forward, packable, packed_forward
 from .align import SlotCache
 
 MIN_TOKENS = 16  # a prefix shorter than this is not shared
@@ -132,8 +132,12 @@ class PrefixStore:
         cache = self.caches.get(name)
         if cache is None:
             cache = self.caches[name] = SlotCache(1, n)
-        tokens = torch.tensor([self.tokens[done:n]], dtype=torch.long, device=device)
-        group_forward(model, cache, cache_kwarg, slice(0, 1), tokens, torch.zeros(1, dtype=torch.long, device=device),
-                      done, logits_to_keep=1)
+        if packable(model, device):  # as a row's own prefill computes these columns (the same kernels, the same sums)
+            tokens = torch.tensor([self.tokens[:n]], dtype=torch.long, device=device)
+            packed_forward(model, cache, cache_kwarg, tokens, [Piece(0, 0, done, n)])
+        else:
+            tokens = torch.tensor([self.tokens[done:n]], dtype=torch.long, device=device)
+            group_forward(model, cache, cache_kwarg, slice(0, 1), tokens,
+                          torch.zeros(1, dtype=torch.long, device=device), done, logits_to_keep=1)
         self.covered[name] = n
         return n - done

@@ -95,16 +95,24 @@ class Assembly:
     def runs_on(self) -> RunsOn:
         """How the engine runs now (the batch width once it has measured it)."""
         model, engine = self.target.model, self.engine
-        return RunsOn(self.kernels, str(model.dtype).removeprefix("torch."), str(model.device),
+        return RunsOn(self.kernels, models.dtype_name(model), str(model.device),
                       self.target.dtype_reason, engine.batch_size if engine.width_rates is not None else None,
                       native.running(model))
+
+
+def mixed_kernel(cfg: GenerateConfig) -> bool:
+    """Whether batchspec's bfloat16 kernel would run a mixed model's products in this job: a CPU job whose
+    ``--kernels`` are not stock, on a CPU where the kernel builds (``--dtype auto`` may then choose mixed)."""
+    if cfg.dtype != "auto" or cfg.kernels == "stock" or models.resolve_device(cfg.device).type != "cpu":
+        return False
+    return native.load().linear
 
 
 def assemble(cfg: GenerateConfig, mode: str, draft_spec: str | None, lookup_names: list[str],
              quiet: bool) -> Assembly:
     """Load the target, vet the draft (loaded on first use), apply ``--kernels``, read the EOS ids, build the
     engine of ``mode`` with these drafters."""
-    target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=quiet)
+    target = models.load_model(cfg.target, cfg.dtype, cfg.device, quiet=quiet, mixed_kernel=mixed_kernel(cfg))
     draft = LazyDraft(draft_spec, target, cfg.dtype, cfg.device, quiet) if draft_spec is not None else None
     tuning = kernel_memory(target) if cfg.kernels == "auto" else None
     kernels_run, notes = use_kernels(cfg.kernels, target, pending_bytes=draft.weight_bytes() if draft else 0,
@@ -128,7 +136,7 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
         model = target.model
         memory = widths.WidthMemory(models.cache_dir() / widths.FILE_NAME, {
             **widths.machine(str(model.device)), "target": str(model.config.name_or_path or cfg.target),
-            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": models.dtype_name(model),
             "threads": torch.get_num_threads(), "kernels": cfg.kernels, "batchspec": __version__,  # new kernels
             "attention": native.running(model)})  # a faster attention can move the width that pays
     econf = EngineConfig(mode=mode, k=cfg.k, batch_size=AUTO_WIDTHS[-1] if auto_width else cfg.batch_size,
@@ -142,12 +150,26 @@ def build_engine(cfg: GenerateConfig, mode: str, target: models.LoadedModel, dra
                   lookups=drafters.make(lookup_names), guide=guide)
 
 
+MIXED_WITHOUT_KERNEL = ("--dtype mixed runs its products without batchspec's bfloat16 kernel here (it needs a CPU with "
+                        "AVX512-BF16 and --kernels auto or packed): slower than float32, and its rows may depend on "
+                        "the batch as float32's can")
+
+
 def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0,
                 tuning: widths.MachineMemory | None = None) -> tuple[str, list[str]]:
     """Apply ``--kernels`` to the loaded models. Returns the kernels that run (stock or packed) and notes for the
-    user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory). ``pending_bytes``:
-    what packing a model loaded later (the draft) would add; ``auto`` counts it now. ``tuning``: packed models
-    run packed from the rows measured faster on this machine (``tune_kernels``), else from the defaults."""
+    user (packed kernels that cannot apply, or that ``auto`` leaves out for want of memory; a mixed model left
+    without its kernel). ``pending_bytes``: what packing a model loaded later (the draft) would add; ``auto`` counts
+    it now. ``tuning``: packed models run packed from the rows measured faster on this machine (``tune_kernels``),
+    else from the defaults."""
+    running, notes = _apply_kernels(name, *loaded, pending_bytes=pending_bytes, tuning=tuning)
+    if not all(native.on_kernel(m.model) for m in loaded if m is not None):
+        notes = [*notes, MIXED_WITHOUT_KERNEL]
+    return running, notes
+
+
+def _apply_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: int = 0,
+                   tuning: widths.MachineMemory | None = None) -> tuple[str, list[str]]:
     if name == "stock":
         return "stock", []
     from ..models import kernels
@@ -167,6 +189,7 @@ def use_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes: in
                          f"{free / 2**20:.0f} MiB is available: running the stock kernels (--kernels packed "
                          f"forces them)"]
     kernels.bound_caches()  # before the first oneDNN operation (the packing), or it cannot apply
+    kernels.keep_freed_memory()
     for model in present:
         kernels.prepack(model)
     if tuning is not None:
@@ -208,7 +231,7 @@ def tune_kernels(loaded: models.LoadedModel, memory: widths.MachineMemory) -> in
     from ..models import kernels
 
     model = loaded.model
-    job = {"packed rows of": str(model.config.name_or_path or loaded.name), "dtype": str(model.dtype),
+    job = {"packed rows of": str(model.config.name_or_path or loaded.name), "dtype": models.dtype_name(model),
            "parameters": sum(p.numel() for p in model.parameters())}
     entry = memory.get(job)
     rows = entry.get("min_rows") if isinstance(entry, dict) else None
@@ -230,7 +253,7 @@ def tune_native(loaded: models.LoadedModel, memory: widths.MachineMemory) -> int
     layers = native.packed_linears(model)
     if not (built.linear and any(kernels.nativeable(layer) for layer in layers)):
         return 0
-    job = {"native rows of": str(model.config.name_or_path or loaded.name), "dtype": str(model.dtype),
+    job = {"native rows of": str(model.config.name_or_path or loaded.name), "dtype": models.dtype_name(model),
            "parameters": sum(p.numel() for p in model.parameters()), "kernels": built.key}
     entry = memory.get(job)
     rows = entry.get("native_rows") if isinstance(entry, dict) else None

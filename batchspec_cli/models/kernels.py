@@ -43,6 +43,10 @@ size on a CPU without AMX, where it was 1.6-2.2x oneDNN's at 1-8 rows and 1.04-1
 tiles oneDNN's wide products should stay faster, and the measurement keeps them). Each of its outputs is one float32
 sum in a fixed order, so a row's outputs do not depend on the rows beside it.
 
+``--dtype mixed`` (``to_mixed``): bfloat16 weights and matmul inputs, float32 sums and activations. Its linears are
+``MixedLinear`` layers, which oneDNN never packs: batchspec's kernel runs them at every size (float32 in, rounded to
+bfloat16 as read, float32 out) where it is built; else transformers' float32 product of the rounded numbers.
+
 Numerics: oneDNN and MKL sum in different orders, so logits differ from the stock kernels
 by float32 rounding (~1e-6 relative). A given input size always takes the same kernel, so
 runs are deterministic; but like the stock kernels (whose one-row and many-row paths also
@@ -57,7 +61,9 @@ weights in place.
 from __future__ import annotations
 
 import copy
+import ctypes
 import os
+import sys
 import time
 
 import torch
@@ -147,8 +153,15 @@ def use_native(layers: list[nn.Module], ops, rows: int) -> None:
     """Run the ``nativeable`` of ``layers`` on batchspec's bfloat16 kernel (``ops``: ``torch.ops.batchspec``, built with
     ``linear_cpu.cpp``) for inputs of up to ``rows`` rows (``EVERY_ROWS``: all); 0 gives them back to oneDNN. Where
     the kernel takes every size oneDNN did, oneDNN's copy of the weight is freed (the memory stays what packing
-    took)."""
+    took). A ``MixedLinear`` takes the kernel at every size whatever ``rows`` (0: its reference product again)."""
     for layer in layers:
+        if isinstance(layer, MixedLinear):  # its only bfloat16 kernel: every size
+            if rows <= 0:
+                drop_native(layer)
+            elif layer.native is None and layer.in_features % 2 == 0:
+                with torch.no_grad():
+                    layer.native_ops, layer.native = ops, ops.pack_linear(layer.weight.detach())
+            continue
         if not nativeable(layer):
             continue
         if rows <= 0:
@@ -163,8 +176,64 @@ def use_native(layers: list[nn.Module], ops, rows: int) -> None:
             layer.packed = None
 
 
-def drop_native(layer: PackedLinear) -> None:
-    """Undo ``use_native`` on ``layer``: oneDNN runs it again, its copy of the weight made anew where it was freed."""
+MIXED = "batchspec_mixed"  # set on a model ``to_mixed`` converted
+
+
+class MixedLinear(nn.Linear):
+    """A linear layer of ``--dtype mixed``: a bfloat16 weight, float32 in and out. The input is rounded to bfloat16
+    (nearest even) and the products summed in float32: on batchspec's kernel where ``use_native`` gave it one (each
+    output one float32 sum in a fixed order, whatever the rows beside it), else as transformers' float32 product of
+    the same rounded numbers (the reference ``batchspec verify`` decodes with)."""
+
+    def __init__(self, weight: torch.Tensor):
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None
+        self.native_ops, self.native = None, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:  # attention's output (layers: a mixed model's attention runs in bfloat16)
+            x = x.float()
+        if self.native is not None and x.dtype == torch.float32 and self.weight.dtype == torch.bfloat16:
+            return self.native_ops.linear(x, self.native, self.out_features)
+        return F.linear(x.to(torch.bfloat16).to(x.dtype), self.weight.to(x.dtype))
+
+    def __deepcopy__(self, memo):
+        return MixedLinear(copy.deepcopy(self.weight, memo))  # without the kernel's copy (verify's float64 model)
+
+
+def to_mixed(model: nn.Module) -> nn.Module:
+    """``--dtype mixed`` on a float32 CPU model, in place: bfloat16 weights and matmul inputs, float32 sums, outputs
+    and residual stream. Every ``nn.Linear`` without bias and with an even number of input features becomes a
+    ``MixedLinear`` (its weight rounded to bfloat16 at nearest even; a tied output head gets a copy of its own), and
+    the input embeddings are rounded to bfloat16 values in place (a lookup is no product: they stay float32 tensors).
+    Norms, rotary, the residual stream and the logits stay float32; batchspec's Llama layer (``layers``) rounds the
+    attention's inputs to bfloat16 too, so its KV cache holds bfloat16. Returns ``model``."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Embedding) and module.weight.dtype == torch.float32:
+                module.weight.copy_(module.weight.to(torch.bfloat16))
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if (type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.bias is None
+                        and child.weight.device.type == "cpu" and child.in_features % 2 == 0):
+                    setattr(parent, name, MixedLinear(child.weight))
+    setattr(model, MIXED, True)
+    return model
+
+
+def is_mixed(model: nn.Module) -> bool:
+    """Whether ``to_mixed`` converted ``model``."""
+    return bool(getattr(model, MIXED, False))
+
+
+def drop_native(layer: PackedLinear | MixedLinear) -> None:
+    """Undo ``use_native`` on ``layer``: oneDNN runs it again, its copy of the weight made anew where it was freed (a
+    ``MixedLinear``: its reference product)."""
+    if isinstance(layer, MixedLinear):
+        layer.native_ops, layer.native = None, None
+        return
     layer.native_ops, layer.native, layer.native_last = None, None, -1
     if layer.packed is None:
         with torch.no_grad():
@@ -298,6 +367,31 @@ def bound_caches() -> None:
         os.environ.setdefault(name, str(CACHE_ENTRIES))
 
 
+HEAP_KEEPS = 1 << 30  # bytes: glibc serves allocations up to this from its heap and keeps up to this much freed there
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")  # glibc's own settings, read at start-up
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+_heap_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc serve allocations of up to ``HEAP_KEEPS`` bytes from its heap and keep what is freed there, for the
+    process, unless the environment sets its own thresholds. Its default maps every allocation above 32 MB afresh and
+    unmaps it when freed, so a prefill's large outputs (a 4,096-token product's float32 output over SmolLM2's MLP is
+    50 MB) were new pages the OS zero-filled at every forward: a third of that product's time (70.8 against 105.5 ms,
+    one thread). The memory a job's peak takes is the same; it is kept for the next forward instead of returned.
+    Returns whether it applies (glibc on Linux)."""
+    global _heap_kept
+    if _heap_kept or any(name in os.environ for name in MALLOC_VARIABLES) or not sys.platform.startswith("linux"):
+        return _heap_kept
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _heap_kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, HEAP_KEEPS)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEPS))
+    except (OSError, AttributeError):  # not glibc
+        _heap_kept = False
+    return _heap_kept
+
+
 def _packable(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and weight is not None and weight.device.type == "cpu"
@@ -335,9 +429,10 @@ def unpack(model: nn.Module) -> nn.Module:
 
 
 def packable_bytes(model: nn.Module) -> int:
-    """The memory ``prepack`` would add to ``model``: the weight bytes of its not yet packed float32 and bfloat16 CPU
-    linears."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _packable(m))
+    """The memory ``prepack`` (and ``use_native``, for a mixed model) would add to ``model``: the weight bytes of its
+    not yet packed float32 and bfloat16 CPU linears."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if _packable(m) or (isinstance(m, MixedLinear) and m.native is None))
 
 
 def memory_available() -> int | None:

@@ -62,7 +62,8 @@ def fusable(layer: nn.Module) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and all(isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == weight.dtype
                     and m.weight.device == weight.device for m in joined)
-            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype == weight.dtype
+            and layer.input_layernorm.weight.dtype == layer.post_attention_layernorm.weight.dtype
+            == (torch.float32 if isinstance(attn.q_proj, kernels.MixedLinear) else weight.dtype)
             and attn.q_proj.out_features == heads * dim and attn.k_proj.out_features == kv_heads * dim
             and attn.v_proj.out_features == kv_heads * dim and dim % 2 == 0)
 
@@ -88,7 +89,7 @@ def attach(layer: nn.Module, ops) -> None:
     if ATTRIBUTE in layer.__dict__:
         return
     attn, mlp = layer.self_attn, layer.mlp
-    packed = {}
+    packed, mixed = {}, isinstance(attn.q_proj, kernels.MixedLinear)
     for parent, name in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (mlp, "gate_proj"), (mlp, "up_proj")):
         child = getattr(parent, name)
         if isinstance(child, kernels.PackedLinear):  # its packed copy would go unused: the joint layer runs
@@ -96,7 +97,9 @@ def attach(layer: nn.Module, ops) -> None:
             packed[f"{'self_attn' if parent is attn else 'mlp'}.{name}"] = child.min_rows
     qkv = _joint([(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")])
     gate_up = _joint([(mlp, "gate_proj"), (mlp, "up_proj")])
-    if packed:  # packed from the rows the separate layers were (kernels.set_min_rows: measured on this machine)
+    if mixed:  # bfloat16 weights, float32 in and out (kernels.to_mixed); the separate layers' weights are views
+        qkv, gate_up = kernels.MixedLinear(qkv.weight), kernels.MixedLinear(gate_up.weight)
+    elif packed:  # packed from the rows the separate layers were (kernels.set_min_rows: measured on this machine)
         rows = min(packed.values())
         qkv, gate_up = kernels.PackedLinear(qkv, rows), kernels.PackedLinear(gate_up, rows)
     setattr(layer, ATTRIBUTE, Fused(ops, qkv, gate_up, packed))
@@ -124,8 +127,9 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
         cache = kwargs.pop("past_key_values")
     fused: Fused | None = self.__dict__.get(ATTRIBUTE)
     if fused is None or self.training or position_embeddings is None or hidden_states.dim() != 3 \
-            or hidden_states.device.type != "cpu" or not hidden_states.dtype == fused.qkv.weight.dtype \
-            == self.input_layernorm.weight.dtype == self.self_attn.q_proj.weight.dtype:
+            or hidden_states.device.type != "cpu" or hidden_states.dtype != self.input_layernorm.weight.dtype \
+            or fused.qkv.weight.dtype != self.self_attn.q_proj.weight.dtype \
+            or (hidden_states.dtype != fused.qkv.weight.dtype and not isinstance(fused.qkv, kernels.MixedLinear)):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     ops, attn = fused.ops, self.self_attn
@@ -139,6 +143,8 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     query, key = ops.rope(qkv, cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous(), heads, kv_heads)
     query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, heads, T, dim], [B, kv_heads, T, dim]
     value = qkv[..., (heads + kv_heads) * dim :].view(batch, length, kv_heads, dim).transpose(1, 2)
+    if isinstance(fused.qkv, kernels.MixedLinear):  # attention takes bfloat16 inputs too; the cache holds them
+        query, key, value = query.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)

@@ -1,16 +1,19 @@
 // batchspec's bfloat16 linear layer for a CPU with AVX512-BF16; models/native.py builds it with the other kernels and
 // kernels.PackedLinear runs it (kernels.use_native) for the input sizes where this machine measured it faster.
 //
-// y[m, n] = sum_k x[m, k] w[n, k], bfloat16 in and out, summed in float32. The weight is laid out once (pack_linear)
+// y[m, n] = sum_k x[m, k] w[n, k], a bfloat16 weight, summed in float32. A bfloat16 x gives a bfloat16 y; a float32 x
+// is rounded to bfloat16 (nearest even, elementwise) and gives the float32 sums themselves (--dtype mixed: bfloat16
+// weights and matmul inputs, float32 outputs and residual stream). The weight is laid out once (pack_linear)
 // in panels of 64 outputs whose k-pairs lie side by side, so one vdpbf16ps takes a pair of x's columns, broadcast, to
 // 16 outputs; a forward streams the panels once, whatever its rows, and keeps a tile of up to 6 rows x 64 outputs in
 // registers. Why: oneDNN's packed kernel streamed a decode step's weights at about half this CPU's memory bandwidth
 // for 1-8 rows (a batch-1 step is all weight streaming), and at 16-512 rows ran below this loop too.
 //
 // Every output is one float32 sum over k in a fixed order (pairs, as vdpbf16ps adds them, then k upwards), rounded to
-// bfloat16 at nearest even at the end: so a row's outputs never depend on the other rows of the product, on how
-// many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's size. vdpbf16ps
-// reads subnormal bfloat16 inputs (below 1.2e-38 in magnitude) as zero and flushes subnormal sums to zero.
+// bfloat16 at nearest even at the end where y is bfloat16: so a row's outputs never depend on the other rows of the
+// product, on how many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's
+// size. vdpbf16ps reads subnormal bfloat16 inputs (below 1.2e-38 in magnitude) as zero and flushes subnormal sums to
+// zero.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -57,9 +60,13 @@ at::Tensor pack_linear(const at::Tensor& weight) {
 
 #ifdef BATCHSPEC_AVX512BF16
 // R rows of x (pairs words each) times one panel; writes the panel's `cols` outputs of each row
-template <int R>
-inline void tile(const int32_t* x, int64_t pairs, const c10::BFloat16* panel, c10::BFloat16* y, int64_t stride,
-                 int64_t cols) {
+inline void store(c10::BFloat16* y, __mmask16 mask, __m512 sums) {
+  _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sums));
+}
+inline void store(float* y, __mmask16 mask, __m512 sums) { _mm512_mask_storeu_ps(y, mask, sums); }
+
+template <int R, typename Out>
+inline void tile(const int32_t* x, int64_t pairs, const c10::BFloat16* panel, Out* y, int64_t stride, int64_t cols) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -75,17 +82,17 @@ inline void tile(const int32_t* x, int64_t pairs, const c10::BFloat16* panel, c1
   for (int b = 0; b < 4 && b * 16 < cols; ++b) {
     const int64_t live = std::min<int64_t>(16, cols - b * 16);
     const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
-    for (int r = 0; r < R; ++r)
-      _mm256_mask_storeu_epi16(y + r * stride + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(acc[r][b]));
+    for (int r = 0; r < R; ++r) store(y + r * stride + b * 16, mask, acc[r][b]);
   }
 }
 
-void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panel, c10::BFloat16* y,
-                   int64_t stride, int64_t cols) {
+template <typename Out>
+void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panel, Out* y, int64_t stride,
+                   int64_t cols) {
   int64_t r = 0;
   for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x + r * pairs, pairs, panel, y + r * stride, stride, cols);
   const int32_t* xr = x + r * pairs;
-  c10::BFloat16* yr = y + r * stride;
+  Out* yr = y + r * stride;
   switch (m - r) {
     case 5: tile<5>(xr, pairs, panel, yr, stride, cols); break;
     case 4: tile<4>(xr, pairs, panel, yr, stride, cols); break;
@@ -97,16 +104,17 @@ void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat
 }
 #endif
 
-// x [..., k] bfloat16 times a packed weight of `out_features` outputs -> [..., out_features]
+// x [..., k] bfloat16 or float32 times a packed weight of `out_features` outputs -> [..., out_features] in x's dtype
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-              "linear takes bfloat16 CPU tensors");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+              "linear takes a bfloat16 or float32 CPU input and a bfloat16 packed weight");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == k && packed.size(2) == COLS && packed.size(3) == 2 &&
                   packed.size(0) * COLS >= out_features && packed.size(0) * COLS < out_features + COLS,
               "linear: the input and the packed weight do not match");
-  const at::Tensor flat = x.reshape({-1, k}).contiguous();
+  const at::Tensor flat = x.reshape({-1, k}).to(at::kBFloat16).contiguous();
   const int64_t m = flat.size(0), panels = packed.size(0), pairs = k / 2;
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out_features;
@@ -115,12 +123,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   if (m > 0) {
     const auto* xs = reinterpret_cast<const int32_t*>(flat.data_ptr<c10::BFloat16>());
     const auto* ws = packed.data_ptr<c10::BFloat16>();
-    auto* ys = y.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-      for (int64_t p = first; p < last; ++p)
-        rows_by_panel(xs, m, pairs, ws + p * pairs * COLS * 2, ys + p * COLS, out_features,
-                      std::min<int64_t>(COLS, out_features - p * COLS));
-    });
+    auto run = [&](auto* ys) {
+      at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+        for (int64_t p = first; p < last; ++p)
+          rows_by_panel(xs, m, pairs, ws + p * pairs * COLS * 2, ys + p * COLS, out_features,
+                        std::min<int64_t>(COLS, out_features - p * COLS));
+      });
+    };
+    if (y.scalar_type() == at::kFloat)
+      run(y.data_ptr<float>());
+    else
+      run(y.data_ptr<c10::BFloat16>());
   }
 #endif
   return y.view(shape);

@@ -47,7 +47,7 @@ from transformers import (
 )
 
 from ..errors import one_line
-from . import attention
+from . import attention, kernels
 
 
 class ModelError(Exception):
@@ -66,6 +66,7 @@ DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
+MIXED = "mixed"  # bfloat16 weights and matmul inputs, float32 sums, outputs and residual stream (kernels.to_mixed)
 HUB_CONNECT_TIMEOUT_S = 3.0
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 _STALE_TMP_S = 3600.0
@@ -123,8 +124,13 @@ def choose_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | N
     """
     if dtype in DTYPES:
         return DTYPES[dtype], "asked for (--dtype)"
+    if dtype == MIXED:
+        if device.type != "cpu":
+            raise ModelError("--dtype mixed is a CPU recipe (bfloat16 products with float32 sums and activations): "
+                             "on a GPU use auto or bfloat16")
+        return torch.float32, "asked for (--dtype mixed: bfloat16 weights and matmul inputs, float32 otherwise)"
     if dtype != "auto":
-        raise ModelError(f"unknown dtype {dtype!r}: use auto, {', '.join(DTYPES)}")
+        raise ModelError(f"unknown dtype {dtype!r}: use auto, {MIXED}, {', '.join(DTYPES)}")
     if device.type != "cuda":
         feature = native_bfloat16()
         if feature is not None:
@@ -133,6 +139,13 @@ def choose_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | N
     if config_dtype in DTYPES.values():
         return config_dtype, "auto: the checkpoint's dtype"  # bf16 stays bf16, never fp16 for a bf16 model
     return torch.float32, "auto: the checkpoint names no dtype"
+
+
+def dtype_name(model: torch.nn.Module) -> str:
+    """The dtype ``model`` runs in, as ``--dtype`` names it ("mixed" for ``kernels.to_mixed``'s models)."""
+    if kernels.is_mixed(model):
+        return MIXED
+    return str(getattr(model, "dtype", "")).removeprefix("torch.")
 
 
 def resolve_dtype(dtype: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
@@ -386,13 +399,31 @@ def _supported_config(name: str, folder: Path) -> PreTrainedConfig:
     return config
 
 
-def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quiet: bool = False) -> LoadedModel:
-    """Load a causal LM and its tokenizer, ready for inference (eval, no grad, on device)."""
+AUTO_MIXED = ("auto: bfloat16 products on batchspec's kernel (AVX512-BF16, no AMX), float32 sums and activations "
+              "(mixed): rows that do not depend on the batch")
+
+
+def prefers_mixed(device: torch.device, kernel: bool) -> bool:
+    """Whether ``--dtype auto`` runs mixed (``kernels.to_mixed``) rather than bfloat16: on a CPU whose bfloat16 units
+    are AVX512-BF16 without AMX tiles, where batchspec's kernel (``kernel``: built, and ``--kernels`` not stock) is
+    the fastest bfloat16 product at every size measured (so float32 activations cost little: 0.93-1.0x bfloat16's
+    speed, docs/performance.md). With AMX tiles oneDNN's wide products are faster than that kernel: bfloat16."""
+    return device.type == "cpu" and kernel and native_bfloat16() == "AVX512-BF16"
+
+
+def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quiet: bool = False,
+               mixed_kernel: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer, ready for inference (eval, no grad, on device). ``mixed_kernel``: whether
+    batchspec's kernel will run a mixed model's products (``prefers_mixed``)."""
     torch_device = resolve_device(device)
     name, folder = _resolve(spec, quiet)
+    auto_mixed = dtype == "auto" and prefers_mixed(torch_device, mixed_kernel)
+    if auto_mixed:
+        dtype = MIXED
     with _quiet(quiet):
         config = _supported_config(name, folder)
         torch_dtype, dtype_reason = choose_dtype(dtype, torch_device, _config_dtype(config))
+        dtype_reason = AUTO_MIXED if auto_mixed else dtype_reason
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
@@ -400,6 +431,8 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
             raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
     check_embedding(name, model.get_input_embeddings().num_embeddings, tokenizer)
     model = model.to(torch_device).eval()
+    if dtype == MIXED:
+        kernels.to_mixed(model)
     model.requires_grad_(False)
     check_supported(model, name=name)
     plain_experts(model)
@@ -494,8 +527,9 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
     """
     name, folder = _resolve(spec, quiet)
     if not (folder / SHARED_DRAFT_FILE).is_file():
-        draft = load_model(spec, dtype, device, quiet)
-        draft.model.to(target.model.dtype)
+        draft = load_model(spec, MIXED if kernels.is_mixed(target.model) else dtype, device, quiet)
+        if not kernels.is_mixed(draft.model):
+            draft.model.to(target.model.dtype)
         plain_experts(draft.model)
         return draft
     from safetensors.torch import load_file
@@ -524,11 +558,13 @@ def load_draft(spec: str, target: LoadedModel, dtype: str = "auto", device: str 
         raise ModelError(f"draft '{name}' does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.model.embed_tokens = embed_in  # shared with the target, not a copy
     ids = head_ids.long().to(embed_out.weight.device)
-    model.lm_head = SubsetHead(embed_out.weight.detach()[ids].clone(), ids, config.vocab_size)
+    model.lm_head = SubsetHead(embed_out.weight.detach()[ids].to(tmodel.dtype), ids, config.vocab_size)
     if (folder / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     model = model.to(tmodel.device).eval()
     model.requires_grad_(False)
+    if kernels.is_mixed(tmodel):  # its layers and head as the target's (the embeddings are the target's own)
+        kernels.to_mixed(model)
     check_supported(model, name=name)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=str(folder))
 

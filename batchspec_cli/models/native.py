@@ -227,13 +227,20 @@ def attach(model: torch.nn.Module) -> bool:
 
 
 def packed_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every ``kernels.PackedLinear`` a forward of ``model`` runs: its modules' and its fused layers' joint ones."""
-    found = [m for m in model.modules() if isinstance(m, kernels.PackedLinear)]
+    """Every ``kernels.PackedLinear`` and ``kernels.MixedLinear`` a forward of ``model`` runs: its modules' and its
+    fused layers' joint ones."""
+    ours = (kernels.PackedLinear, kernels.MixedLinear)
+    found = [m for m in model.modules() if isinstance(m, ours)]
     for layer in model.modules():
         fused = layer.__dict__.get(layers.ATTRIBUTE)
         if fused is not None:
-            found += [m for m in (fused.qkv, fused.gate_up) if isinstance(m, kernels.PackedLinear)]
+            found += [m for m in (fused.qkv, fused.gate_up) if isinstance(m, ours)]
     return found
+
+
+def on_kernel(model: torch.nn.Module) -> bool:
+    """Whether every product of a mixed model (``kernels.to_mixed``) runs on batchspec's kernel (True for others)."""
+    return all(layer.native is not None for layer in packed_linears(model) if isinstance(layer, kernels.MixedLinear))
 
 
 def use_native_rows(model: torch.nn.Module, rows: int) -> None:
