@@ -39,6 +39,22 @@ def test_the_float32_product_sums_the_rounded_numbers_in_float32(out_features, i
     assert torch.equal(alone, got)
 
 
+@needs_kernel
+def test_a_bfloat16_input_gives_the_float32_sums_of_the_same_numbers_when_asked():
+    g = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(13, 576, generator=g).to(torch.bfloat16), 0.05 * torch.randn(70, 576, generator=g)
+    packed = BUILT.ops.pack_linear(weight.to(torch.bfloat16))
+    got = BUILT.ops.linear(x, packed, 70, torch.float32)
+    assert got.dtype == torch.float32
+    exact = x.double() @ rounded(weight).T
+    bound = (x.double().abs() @ rounded(weight).abs().T) * 576 * 2.0**-24
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert torch.equal(got, BUILT.ops.linear(x.float(), packed, 70))  # what a float32 x of these values gives
+    assert BUILT.ops.linear(x, packed, 70).dtype == torch.bfloat16  # unasked: x's dtype, as before
+    with pytest.raises(RuntimeError):
+        BUILT.ops.linear(x.float(), packed, 70, torch.bfloat16)  # a float32 x gives float32 sums only
+
+
 def test_a_mixed_layer_without_the_kernel_computes_the_reference_product():
     g = torch.Generator().manual_seed(3)
     linear = nn.Linear(64, 48, bias=False)
@@ -50,6 +66,7 @@ def test_a_mixed_layer_without_the_kernel_computes_the_reference_product():
     assert mixed.weight.dtype == torch.bfloat16 and got.dtype == torch.float32
     assert torch.allclose(got.double(), rounded(x) @ rounded(linear.weight).T, rtol=1e-5, atol=1e-5)
     assert mixed(x.double()).dtype == torch.float64  # verify's float64 copy
+    assert torch.equal(mixed(x.to(torch.bfloat16)), mixed(x.to(torch.bfloat16).float()))  # a rounded input as is
 
 
 def tiny_mixed():

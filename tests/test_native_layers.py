@@ -68,6 +68,31 @@ def test_rope_computes_what_apply_rotary_pos_emb_does_from_a_fused_qkv_product(d
     assert torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
 
 
+def test_a_float32_input_written_in_bfloat16_is_its_float32_result_rounded_as_torch_rounds_it():
+    # --dtype mixed: a norm's, SiLU's or rotary's result rounded as the bfloat16 product reading it would round it
+    bf16 = torch.bfloat16
+    x, residual, weight = random((3, 50, 576), torch.float32, 1, 3.0), random((3, 50, 576), torch.float32, 2), \
+        random(576, torch.float32, 3)
+    normed = OPS.rms_norm(x, weight, 1e-5, bf16)
+    assert normed.dtype == bf16 and torch.equal(normed, OPS.rms_norm(x, weight, 1e-5).to(bf16))
+    normed, total = OPS.add_rms_norm(x, residual, weight, 1e-5, bf16)
+    want_normed, want_total = OPS.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(normed, want_normed.to(bf16)) and total.dtype == torch.float32 and torch.equal(total, want_total)
+    special = torch.tensor([float("nan"), float("inf"), -1e-40, 3.0e38, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8])
+    gate_up = torch.cat([torch.cat([random((2, 40, 1533), torch.float32, 4, 4.0), special.expand(2, 40, 6)], -1),
+                         random((2, 40, 1539), torch.float32, 5)], -1)  # vector lanes, a tail, halfway cases
+    got, want = OPS.silu_mul(gate_up, bf16), OPS.silu_mul(gate_up).to(bf16)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    qkv = random((3, 21, 10 * 64), torch.float32, 6)
+    cos, sin = random((3, 21, 64), torch.float32, 7), random((3, 21, 64), torch.float32, 8)
+    for got, want in zip(OPS.rope(qkv, cos, sin, 6, 2, bf16), OPS.rope(qkv, cos, sin, 6, 2)):
+        assert got.dtype == bf16 and torch.equal(got, want.to(bf16))
+    with pytest.raises(RuntimeError):  # bfloat16 in, float32 out is no rounding: refused
+        OPS.silu_mul(gate_up.to(bf16), torch.float32)
+    with pytest.raises(RuntimeError):
+        OPS.rms_norm(x, weight, 1e-5, torch.float16)
+
+
 def test_the_kernels_refuse_shapes_they_cannot_read():
     with pytest.raises(RuntimeError):
         OPS.rms_norm(torch.randn(4, 8), torch.randn(7), 1e-5)

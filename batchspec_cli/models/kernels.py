@@ -180,8 +180,8 @@ MIXED = "batchspec_mixed"  # set on a model ``to_mixed`` converted
 
 
 class MixedLinear(nn.Linear):
-    """A linear layer of ``--dtype mixed``: a bfloat16 weight, float32 in and out. The input is rounded to bfloat16
-    (nearest even) and the products summed in float32: on batchspec's kernel where ``use_native`` gave it one (each
+    """A linear layer of ``--dtype mixed``: a bfloat16 weight, float32 out; the input float32, rounded to bfloat16
+    (nearest even), or bfloat16 already; the products summed in float32: on batchspec's kernel where ``use_native`` gave it one (each
     output one float32 sum in a fixed order, whatever the rows beside it), else as transformers' float32 product of
     the same rounded numbers (the reference ``batchspec verify`` decodes with)."""
 
@@ -193,10 +193,11 @@ class MixedLinear(nn.Linear):
         self.native_ops, self.native = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16:  # attention's output (layers: a mixed model's attention runs in bfloat16)
+        if self.native is not None and x.dtype in (torch.float32, torch.bfloat16) \
+                and self.weight.dtype == torch.bfloat16:  # bfloat16 x: already rounded (layers: norms, SiLU, attention)
+            return self.native_ops.linear(x, self.native, self.out_features, torch.float32)
+        if x.dtype == torch.bfloat16:
             x = x.float()
-        if self.native is not None and x.dtype == torch.float32 and self.weight.dtype == torch.bfloat16:
-            return self.native_ops.linear(x, self.native, self.out_features)
         return F.linear(x.to(torch.bfloat16).to(x.dtype), self.weight.to(x.dtype))
 
     def __deepcopy__(self, memo):

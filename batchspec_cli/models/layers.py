@@ -136,20 +136,23 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
     kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}  # what transformers' layer passes on
     batch, length, _ = hidden_states.shape
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    # mixed: what a product or the attention reads next is written in bfloat16, rounded as the reader would round it
+    rounded = torch.bfloat16 if isinstance(fused.qkv, kernels.MixedLinear) else None
     residual = hidden_states.contiguous()  # [B, T, hidden]
-    normed = ops.rms_norm(residual, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
+    normed = ops.rms_norm(residual, self.input_layernorm.weight, self.input_layernorm.variance_epsilon, rounded)
     qkv = fused.qkv(normed)  # [B, T, (heads + 2 kv_heads) dim]: q | k | v
     cos, sin = position_embeddings  # [B or 1, T, dim]
-    query, key = ops.rope(qkv, cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous(), heads, kv_heads)
+    query, key = ops.rope(qkv, cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous(), heads, kv_heads,
+                          rounded)
     query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, heads, T, dim], [B, kv_heads, T, dim]
     value = qkv[..., (heads + kv_heads) * dim :].view(batch, length, kv_heads, dim).transpose(1, 2)
-    if isinstance(fused.qkv, kernels.MixedLinear):  # attention takes bfloat16 inputs too; the cache holds them
-        query, key, value = query.to(torch.bfloat16), key.to(torch.bfloat16), value.to(torch.bfloat16)
+    if rounded is not None:  # attention takes bfloat16 inputs too; the cache holds them
+        value = value.to(rounded)
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, llama.eager_attention_forward)
     out, _ = interface(attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, **kwargs)
     out = attn.o_proj(out.reshape(batch, length, -1).contiguous())  # out: [B, T, heads, dim] -> [B, T, hidden]
     normed, residual = ops.add_rms_norm(out, residual, self.post_attention_layernorm.weight,
-                                        self.post_attention_layernorm.variance_epsilon)
-    return residual + self.mlp.down_proj(ops.silu_mul(fused.gate_up(normed)))  # gate | up: [B, T, 2 intermediate]
+                                        self.post_attention_layernorm.variance_epsilon, rounded)
+    return residual + self.mlp.down_proj(ops.silu_mul(fused.gate_up(normed), rounded))  # gate | up: [B, T, 2 inter.]

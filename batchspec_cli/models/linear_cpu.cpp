@@ -3,7 +3,8 @@
 //
 // y[m, n] = sum_k x[m, k] w[n, k], a bfloat16 weight, summed in float32. A bfloat16 x gives a bfloat16 y; a float32 x
 // is rounded to bfloat16 (nearest even, elementwise) and gives the float32 sums themselves (--dtype mixed: bfloat16
-// weights and matmul inputs, float32 outputs and residual stream). The weight is laid out once (pack_linear)
+// weights and matmul inputs, float32 outputs and residual stream). `dtype` float32 asks for the float32 sums of a
+// bfloat16 x too (mixed: a norm or SiLU that rounded its output to bfloat16 already, the next product's input). The weight is laid out once (pack_linear)
 // in panels of 64 outputs whose k-pairs lie side by side, so one vdpbf16ps takes a pair of x's columns, broadcast, to
 // 16 outputs; a forward streams the panels once, whatever its rows, and keeps a tile of up to 6 rows x 64 outputs in
 // registers. Why: oneDNN's packed kernel streamed a decode step's weights at about half this CPU's memory bandwidth
@@ -21,6 +22,7 @@
 #include <torch/library.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <optional>
 #include "native_cpu.h"
 
 namespace {
@@ -104,12 +106,16 @@ void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat
 }
 #endif
 
-// x [..., k] bfloat16 or float32 times a packed weight of `out_features` outputs -> [..., out_features] in x's dtype
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+// x [..., k] bfloat16 or float32 times a packed weight of `out_features` outputs -> [..., out_features] in `dtype`:
+// x's dtype, or float32
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                  std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
               "linear takes a bfloat16 or float32 CPU input and a bfloat16 packed weight");
+  const at::ScalarType out_dtype = dtype.value_or(x.scalar_type());
+  TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kFloat, "linear gives x's dtype or float32");
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == k && packed.size(2) == COLS && packed.size(3) == 2 &&
                   packed.size(0) * COLS >= out_features && packed.size(0) * COLS < out_features + COLS,
@@ -118,7 +124,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
   const int64_t m = flat.size(0), panels = packed.size(0), pairs = k / 2;
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = out_features;
-  at::Tensor y = at::empty({m, out_features}, x.options());
+  at::Tensor y = at::empty({m, out_features}, x.options().dtype(out_dtype));
 #ifdef BATCHSPEC_AVX512BF16
   if (m > 0) {
     const auto* xs = reinterpret_cast<const int32_t*>(flat.data_ptr<c10::BFloat16>());
@@ -143,7 +149,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 TORCH_LIBRARY_FRAGMENT(batchspec, m) {
   m.def("has_linear() -> bool", &has_linear);
   m.def("pack_linear(Tensor weight) -> Tensor");
-  m.def("linear(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, int out_features, ScalarType? dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(batchspec, CPU, m) {
