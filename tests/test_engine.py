@@ -395,6 +395,26 @@ def test_exspec_default_policy_runs_same_length_groups_without_moving_kv(target,
     assert any(s.batch_size == 4 and s.kv_moved == 0 for s in same)
 
 
+@pytest.mark.parametrize("joining", [True, False])
+def test_a_row_joining_a_running_batch_takes_its_padded_length_and_no_kv_moves(target, monkeypatch, joining):
+    """ar refills its batch as rows finish: a short prompt admitted while the batch runs at column 23 is prefilled
+    ending there, so no round moves KV; placed at its own length (``joining`` off, as before) it had to move."""
+    from batchspec_cli.engine.core import Engine
+
+    if not joining:
+        monkeypatch.setattr(Engine, "_joining_end", lambda self, run, end, limit: end)
+    prompts = ragged_prompts(4, seed=5, lo=20, hi=20) + ragged_prompts(1, seed=6, lo=6, hi=6)
+    max_new = [3, 13, 13, 13, 9]  # row 0 leaves after 3 tokens; row 4 joins the three at 20 + 3 columns, leaves first
+    references = [greedy_reference(target, p, n, []) for p, n in zip(prompts, max_new)]
+    results, stats = run_engine(target, None, prompts, [], mode="ar", k=0, batch_size=4, max_new=max_new,
+                                pad_to=[20, 20, 20, 20, 6], buckets=[0, 0, 0, 0, 1])
+    assert_equal_to_reference(results, references)
+    prefills = [s for s in stats if s.group_kind == "prefill"]
+    assert len(prefills) == 2 and prefills[1].batch_size == 1  # the joining row was admitted alone, mid-run
+    moved = sum(s.kv_moved for s in stats if s.group_kind != "prefill")
+    assert moved == 0 if joining else moved > 0
+
+
 def test_prefill_chunks_cover_every_column_of_every_row_within_the_budget():
     from batchspec_cli.engine.core import prefill_chunks
 

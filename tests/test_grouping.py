@@ -67,10 +67,14 @@ def test_the_pool_moves_nothing_for_a_same_length_group_in_one_slot_range():
     assert plan.realigns and plan.slots == [1, 2] and plan.moves == [(2, 2, 30)]
 
 
-def test_a_static_batch_realigns_to_the_longest_content_and_compacts_into_the_first_slots():
+def test_a_static_batch_realigns_to_the_end_most_rows_have_and_compacts_into_the_first_slots():
     batch = StaticBatch(4)
     assert batch.plan(slots((12, 2), (12, 0), n=4), [0, 1]) == MovePlan([0, 1])
     plan = batch.plan(slots((13, 2), (12, 0), n=4), [0, 1])  # contents 11 and 12: both to end 12
     assert plan == MovePlan([0, 1], [(0, 0, 12)], True)
+    joined = batch.plan(slots((40, 4), (40, 9), (20, 0), n=4), [0, 1, 2])  # a row admitted at 20 joins the two at 40
+    assert joined == MovePlan([0, 1, 2], [(2, 2, 40)], True)  # only it moves: the others keep their place
+    trimmed = batch.plan(slots((60, 20), (60, 25), n=4), [0, 1])  # 20 columns of padding in every row: trimmed
+    assert trimmed == MovePlan([0, 1], [(0, 0, 40), (1, 1, 40)], True)
     hole = batch.plan(slots(None, (12, 0), (12, 3), n=4), [1, 2])  # a finished row left slot 0 empty
     assert hole == MovePlan([0, 1], [(1, 0, 12), (2, 1, 12)], False)

@@ -449,6 +449,23 @@ class Engine:
                 return reach, slots
         return columns + columns // 8, 0
 
+    def _joining_end(self, run: RunState, end: int, limit: int) -> int:
+        """The padded length rows admitted now take: where the live rows run as one batch (``ar``, ``eqspec``,
+        auto's plain arm) and share one padded length that the new prompts fit in, with room in the KV buffers for
+        the new rows' tokens, that length, so that the next round runs every row there and no row's KV moves
+        (``grouping.target_end`` keeps the end most rows have); else ``end``, the chunk's own. A row's numbers do not
+        depend on its padding."""
+        table = run.table
+        if not table.live or not table.target.n_layers \
+                or (self.policy.wants_pool() and not isinstance(self.strategy, StaticBatch)):
+            return end
+        shared = {table.end[s] for s in table.live}
+        if len(shared) != 1:
+            return end
+        joined = shared.pop()
+        fits = end <= joined and joined + limit + self.max_k + 1 <= table.target.capacity
+        return joined if fits else end
+
     def _loaded(self) -> list[ModelHandle]:
         """The target, and the draft model when it is loaded."""
         draft = self.draft.loaded if self.draft is not None else None
@@ -522,9 +539,10 @@ class Engine:
         end = max(2, max(max(r.pad_to, len(r.prompt_ids)) for r in chunk))
         slots = _contiguous_first(free, len(chunk))
         limits = [self._limit(r) for r in chunk]
+        table = run.table
+        end = self._joining_end(run, end, max(limits))
         columns = end + max(limits) + self.max_k + 1
         rows = 0
-        table = run.table
         if not table.target.n_layers:  # the run's first rows: room for the next buckets
             columns, rows = self._first_reservation(run, columns, max(limits))
         try:  # the KV buffers hold the rows, with room for the longest they can become (no growth while decoding)

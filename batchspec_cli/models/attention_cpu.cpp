@@ -461,23 +461,33 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       for (int64_t h = 0; h < rep; ++h)
         for (int64_t i = 0; i < Q; ++i)
           to_float(qp + b * qs[0] + (g * rep + h) * qs[1] + i * qs[2], &qf[(h * Q + i) * D], D);
-      const T* kb = kp + b * ks[0] + g * ks[1];
-      const T* vb = vp + b * vs[0] + g * vs[1];
-      const M* mb = mp + b * ms[0];
+      // The row's left padding, the columns no query of it may attend, is never read: every sum is counted from a
+      // query's first allowed column, so the numbers are those of the whole row (a row with none allowed: all read)
+      int64_t skip = 0;
+      while (skip < L && [&] {
+        for (int64_t i = 0; i < Q; ++i)
+          if (mask_add(mp[b * ms[0] + i * mq + skip * ms[3]]) != NEG_INF) return false;
+        return true;
+      }()) ++skip;
+      if (skip == L) skip = 0;
+      const int64_t cols = L - skip;
+      const T* kb = kp + b * ks[0] + g * ks[1] + skip * ks[2];
+      const T* vb = vp + b * vs[0] + g * vs[1] + skip * vs[2];
+      const M* mb = mp + b * ms[0] + skip * ms[3];
       bool done = false;
 #ifdef BATCHSPEC_AVX512
       if (D == 64) {
-        attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+        attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], cols, sc, s.data(), total.data(),
                       acc.data());
         done = true;
       } else if (D == 128) {
-        attend_one<8>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+        attend_one<8>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], cols, sc, s.data(), total.data(),
                       acc.data());
         done = true;
       }
 #endif
       if (!done)
-        attend_any(qf.data(), R, Q, rep, D, kb, ks[2], vb, vs[2], mb, mq, ms[3], L, sc, s.data(), total.data(),
+        attend_any(qf.data(), R, Q, rep, D, kb, ks[2], vb, vs[2], mb, mq, ms[3], cols, sc, s.data(), total.data(),
                    acc.data());
       for (int64_t h = 0; h < rep; ++h)
         for (int64_t i = 0; i < Q; ++i) {

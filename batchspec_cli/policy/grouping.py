@@ -5,9 +5,9 @@ length ``end``, left padding ``pad``, whether a row lives there, the step it las
 returns slots or a ``MovePlan``; ``pool.SlotPool.move`` carries a plan out. Two strategies
 use them:
 
-- ``StaticBatch`` (``ar``, ``eqspec``): the group is every live row, realigned to its
-  longest content and compacted into slots ``0..n-1`` whenever lengths differ or finished
-  rows left holes (unpad -> append -> repad).
+- ``StaticBatch`` (``ar``, ``eqspec``): the group is every live row, brought to one padded
+  length (``target_end``) and compacted into slots ``0..n-1`` whenever lengths differ or
+  finished rows left holes (unpad -> append -> repad).
 - ``Pool`` (``exspec``, ``auto``): a window of slots; each step runs the largest group of
   rows with one padded length (``select_group``), topped up with the rows closest in length
   when it is smaller than ``min_group`` x the batch; the group is brought to one padded
@@ -177,13 +177,15 @@ class StaticBatch:
         return view.live[:size]
 
     def plan(self, view: Slots, slots: list[int]) -> MovePlan:
-        """Every live row to the longest content, compacted into slots 0..n-1, when lengths differ or holes exist."""
+        """Every live row to one padded length (``target_end``: the one most rows have, unless they all carry enough
+        padding to trim), compacted into slots 0..n-1, when lengths differ or holes exist."""
         live = view.live
-        if len({view.end[s] for s in live}) == 1 and is_run(live) and live[0] == 0:
+        new_end = target_end(view, live)
+        if new_end is None and is_run(live) and live[0] == 0:
             return MovePlan(slots)
-        new_end = max(2, max(view.content(s) for s in live))
-        moves = [(s, d, new_end) for d, s in enumerate(live) if s != d or view.end[s] != new_end]
-        return MovePlan(list(range(len(slots))), moves, any(view.end[s] != new_end for s in live))
+        end = view.end[live[0]] if new_end is None else new_end
+        moves = [(s, d, end) for d, s in enumerate(live) if s != d or view.end[s] != end]
+        return MovePlan(list(range(len(slots))), moves, new_end is not None)
 
 
 class Pool:
