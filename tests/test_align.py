@@ -46,6 +46,15 @@ def move(table: SlotTable, src: list[int], dst: list[int], new_end) -> int:
     return sum(table.move([(s, d, e) for s, d, e in zip(src, dst, new_ends)]))
 
 
+@pytest.fixture(params=["blocks", "indexed"])
+def copies(request, monkeypatch):
+    """Both ways ``realign`` copies KV: a block a row (a CPU's) and indexed entries (an accelerator's)."""
+    if request.param == "indexed":
+        monkeypatch.setattr(align, "BLOCK_COPIES", set())
+    return request.param
+
+
+@pytest.mark.usefixtures("copies")
 def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
     table = docstring_example(target, draft)
@@ -73,6 +82,7 @@ def test_realign_shifts_tokens_and_kv_of_every_row_to_one_end():
     assert (table.end, table.pad, table.draft_end, table.live) == ([7, 7, 7], [0, 0, 2], [5, 5, 5], [0, 1, 2])
 
 
+@pytest.mark.usefixtures("copies")
 def test_realign_compacts_rows_into_lower_slots():
     cache = marked_cache(3, 12, layers=1)
     table = docstring_example(cache)
@@ -85,6 +95,7 @@ def test_realign_compacts_rows_into_lower_slots():
     assert table.free_slots() == [2]
 
 
+@pytest.mark.usefixtures("copies")
 def test_realign_with_per_row_ends_swaps_rows_between_slots():
     """EXSPEC assembles a group by trading slots; each row keeps (or gets) its own end."""
     cache = marked_cache(3, 12, layers=1)
@@ -101,6 +112,7 @@ def test_realign_with_per_row_ends_swaps_rows_between_slots():
     assert (table.end, table.pad, table.draft_end) == ([9, 7, 9], [4, 0, 2], [7, 5, 7])
 
 
+@pytest.mark.usefixtures("copies")
 def test_realign_with_per_row_ends_stays_in_bounds_when_one_row_moves_left():
     cache = marked_cache(3, 12, layers=1)
     table = docstring_example(cache)  # capacity 12
@@ -120,6 +132,7 @@ def test_realign_of_nothing_moves_nothing():
     assert (table.end, table.pad) == (ENDS, PADS)
 
 
+@pytest.mark.usefixtures("copies")
 def test_realign_moves_each_row_by_its_own_lag():
     """A draft cache that lags differently per row (plain steps, lazy prefill) moves only what it covers."""
     draft = marked_cache(3, 12, layers=1)
@@ -146,6 +159,7 @@ def _fail_on_call(n: int, real):
     return wrapper, calls
 
 
+@pytest.mark.usefixtures("copies")
 def test_realign_out_of_memory_midway_leaves_layout_and_caches_as_they_were(monkeypatch):
     target, draft = marked_cache(3, 12), marked_cache(3, 12, layers=1)
     table = docstring_example(target, draft)

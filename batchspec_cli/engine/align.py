@@ -368,7 +368,7 @@ class SlotTable:
         src_row, dst_row = device_tensor(src, device)[row], device_tensor(dst, device)[row]
         for buffers in (cache.keys, cache.values):
             for layer in buffers:
-                layer[dst_row, :, dst_col] = _gather(layer, src_row, src_col)
+                _scatter(layer, (dst_row, dst_col), _gather(layer, (src_row, src_col)))
         return total * cache.n_layers
 
     def free(self, slot: int) -> None:
@@ -447,9 +447,12 @@ class SlotTable:
         """Copy rows' tokens and KV from slots ``src`` to slots ``dst`` so that row i ends at column
         ``new_ends[i]``; the geometry is not changed (``move`` does that).
 
-        Each row is shifted by ``new_end - end``; index tensors are built once from the host's
-        geometry (no device sync) and each layer moves with one gather and one scatter of the
-        rows' cached content only (no pad columns, nothing past a row's end). A cache with lag
+        Each row is shifted by ``new_end - end``; the columns are worked out from the host's
+        geometry (no device sync) and each layer copies the rows' cached content only (no pad
+        columns, nothing past a row's end) out, then writes it to its place: on a CPU a block a row
+        (memory copies: an indexed gather and scatter of the same entries took 2.5x as long, 113
+        against 45 ms for 16 rows of 500 columns in 60 buffers), on an accelerator one indexed
+        gather and scatter a buffer (a kernel launch a row would cost more). A cache with lag
         ``l`` covers columns [0, end - l) of that row.
 
         All or nothing: every buffer that grows and every gathered copy is allocated before the
@@ -480,25 +483,46 @@ class SlotTable:
             total = sum(lengths)
             if cache.n_layers == 0 or total == 0:
                 continue
-            lengths_t = device_tensor(lengths, device)
-            row = torch.repeat_interleave(torch.arange(len(src), device=device), lengths_t, output_size=total)
-            first = torch.cumsum(lengths_t, 0) - lengths_t
-            dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
-            src_col, src_row, dst_row = dst_col - shift[row], src_t[row], dst_t[row]
-            gathered = [[_gather(layer, src_row, src_col) for layer in buffers]
-                        for buffers in (cache.keys, cache.values)]
-            moves.append((cache, dst_row, dst_col, gathered, lengths))
+            if device.type in BLOCK_COPIES:  # (slot, first column, end column) of each row's content, now and moved
+                sources = [(s, p - sh, p - sh + n) for s, p, sh, n in zip(src, new_pads, shifts, lengths) if n]
+                targets = [(d, p, p + n) for d, p, n in zip(dst, new_pads, lengths) if n]
+            else:  # (rows, columns) of every entry: two kernels a buffer, however many rows
+                lengths_t = device_tensor(lengths, device)
+                row = torch.repeat_interleave(torch.arange(len(src), device=device), lengths_t, output_size=total)
+                first = torch.cumsum(lengths_t, 0) - lengths_t
+                dst_col = device_tensor(new_pads, device)[row] + torch.arange(total, device=device) - first[row]
+                sources, targets = (src_t[row], dst_col - shift[row]), (dst_t[row], dst_col)
+            gathered = [[_gather(layer, sources) for layer in buffers] for buffers in (cache.keys, cache.values)]
+            moves.append((cache, targets, gathered, lengths))
         # 2. Write.
         layout.tokens[dst_t, :width] = tokens
         moved = [0] * len(src)
-        for cache, dst_row, dst_col, gathered, lengths in moves:
+        for cache, targets, gathered, lengths in moves:
             for buffers, copies in zip((cache.keys, cache.values), gathered):
                 for layer, copy in zip(buffers, copies):
-                    layer[dst_row, :, dst_col] = copy
+                    _scatter(layer, targets, copy)
             moved = [m + n * cache.n_layers for m, n in zip(moved, lengths)]
         return moved
 
 
-def _gather(layer: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """[entries, kv_heads, head_dim] copies of one layer's entries (a seam for fault-injection tests)."""
-    return layer[rows, :, cols]
+Where = list[tuple[int, int, int]] | tuple[torch.Tensor, torch.Tensor]  # spans (slot, first, end) or (rows, cols)
+BLOCK_COPIES = {"cpu"}  # the devices on which ``SlotTable.realign`` copies a row's columns as one block
+
+
+def _gather(layer: torch.Tensor, where: Where) -> torch.Tensor:
+    """A copy of one layer's entries (a seam for fault-injection tests): spans, each a row's columns as one block,
+    ``[kv_heads, entries, head_dim]``; or (rows, columns) index tensors, ``[entries, kv_heads, head_dim]``."""
+    if isinstance(where, list):
+        return torch.cat([layer[slot, :, first:end] for slot, first, end in where], 1)
+    return layer[where[0], :, where[1]]
+
+
+def _scatter(layer: torch.Tensor, where: Where, copy: torch.Tensor) -> None:
+    """Write ``_gather``'s copy of entries to the places ``where`` names, in its order."""
+    if isinstance(where, tuple):
+        layer[where[0], :, where[1]] = copy
+        return
+    offset = 0
+    for slot, first, end in where:
+        layer[slot, :, first:end] = copy[:, offset : offset + end - first]
+        offset += end - first
