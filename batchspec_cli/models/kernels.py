@@ -181,9 +181,9 @@ MIXED = "batchspec_mixed"  # set on a model ``to_mixed`` converted
 
 class MixedLinear(nn.Linear):
     """A linear layer of ``--dtype mixed``: a bfloat16 weight, float32 out; the input float32, rounded to bfloat16
-    (nearest even), or bfloat16 already; the products summed in float32: on batchspec's kernel where ``use_native`` gave it one (each
-    output one float32 sum in a fixed order, whatever the rows beside it), else as transformers' float32 product of
-    the same rounded numbers (the reference ``batchspec verify`` decodes with)."""
+    (nearest even), or bfloat16 already; the products summed in float32: on batchspec's kernel where ``use_native``
+    gave it one (each output one float32 sum in a fixed order, whatever the rows beside it), else as transformers'
+    float32 product of the same rounded numbers (the reference ``batchspec verify`` decodes with)."""
 
     def __init__(self, weight: torch.Tensor):
         nn.Module.__init__(self)

@@ -1,15 +1,15 @@
 // batchspec's CPU kernels for a Llama decoder layer's elementwise steps; models/native.py builds them with
 // attention_cpu.cpp and runs them in its own layer forward (native.LlamaLayer).
 //
-// Each computes what transformers' Llama modules compute, in the same order of operations and with the same
-// roundings to the model's dtype, in one pass over the data instead of one pass an operation: rms_norm (LlamaRMSNorm,
-// and add_rms_norm: the residual sum before it), silu_mul (LlamaMLP's act(gate) * up over a fused gate|up product),
-// rope (apply_rotary_pos_emb over a fused q|k|v product). Each takes an output dtype: the input's, or bfloat16 for a
-// float32 input (--dtype mixed: a norm's, SiLU's or rotary's float32 result rounded to bfloat16 as it is written,
-// which is what the bfloat16 product or attention that reads it next would round it to). Where the numbers can differ from transformers': the sum of
-// squares is taken in 16 lanes (a row's own fixed order, whatever the rows beside it), and exp is a polynomial within
-// an ulp or two of the library's. The build turns off contraction into fused multiply-adds (-ffp-contract=off), so
-// every product is rounded before its sum, as transformers rounds it.
+// Each computes what transformers' Llama modules compute, in the same order of operations and with the same roundings
+// to the model's dtype, in one pass over the data instead of one pass an operation: rms_norm (LlamaRMSNorm, and
+// add_rms_norm: the residual sum before it), silu_mul (LlamaMLP's act(gate) * up over a fused gate|up product), rope
+// (apply_rotary_pos_emb over a fused q|k|v product). Each takes an output dtype: the input's, or bfloat16 for a float32
+// input (--dtype mixed: a norm's, SiLU's or rotary's float32 result rounded to bfloat16 as it is written, which is what
+// the bfloat16 product or attention that reads it next would round it to). Where the numbers can differ from
+// transformers': the sum of squares is taken in 16 lanes (a row's own fixed order, whatever the rows beside it), and
+// exp is a polynomial within an ulp or two of the library's. The build turns off contraction into fused multiply-adds
+// (-ffp-contract=off), so every product is rounded before its sum, as transformers rounds it.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -246,9 +246,11 @@ std::tuple<at::Tensor, at::Tensor> rope(at::Tensor qkv, at::Tensor cos, at::Tens
 
 TORCH_LIBRARY_FRAGMENT(batchspec, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, ScalarType? dtype=None) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, ScalarType? dtype=None) -> (Tensor, Tensor)");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, ScalarType? dtype=None)"
+        " -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up, ScalarType? dtype=None) -> Tensor");
-  m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, ScalarType? dtype=None) -> (Tensor, Tensor)");
+  m.def("rope(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, ScalarType? dtype=None)"
+        " -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(batchspec, CPU, m) {

@@ -4,11 +4,12 @@
 // y[m, n] = sum_k x[m, k] w[n, k], a bfloat16 weight, summed in float32. A bfloat16 x gives a bfloat16 y; a float32 x
 // is rounded to bfloat16 (nearest even, elementwise) and gives the float32 sums themselves (--dtype mixed: bfloat16
 // weights and matmul inputs, float32 outputs and residual stream). `dtype` float32 asks for the float32 sums of a
-// bfloat16 x too (mixed: a norm or SiLU that rounded its output to bfloat16 already, the next product's input). The weight is laid out once (pack_linear)
-// in panels of 64 outputs whose k-pairs lie side by side, so one vdpbf16ps takes a pair of x's columns, broadcast, to
-// 16 outputs; a forward streams the panels once, whatever its rows, and keeps a tile of up to 6 rows x 64 outputs in
-// registers. Why: oneDNN's packed kernel streamed a decode step's weights at about half this CPU's memory bandwidth
-// for 1-8 rows (a batch-1 step is all weight streaming), and at 16-512 rows ran below this loop too.
+// bfloat16 x too (mixed: a norm or SiLU that rounded its output to bfloat16 already, the next product's input). The
+// weight is laid out once (pack_linear) in panels of 64 outputs whose k-pairs lie side by side, so one vdpbf16ps takes
+// a pair of x's columns, broadcast, to 16 outputs; a forward streams the panels once, whatever its rows, and keeps a
+// tile of up to 6 rows x 64 outputs in registers. Why: oneDNN's packed kernel streamed a decode step's weights at about
+// half this CPU's memory bandwidth for 1-8 rows (a batch-1 step is all weight streaming), and at 16-512 rows ran below
+// this loop too.
 //
 // Every output is one float32 sum over k in a fixed order (pairs, as vdpbf16ps adds them, then k upwards), rounded to
 // bfloat16 at nearest even at the end where y is bfloat16: so a row's outputs never depend on the other rows of the
