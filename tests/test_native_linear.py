@@ -116,21 +116,14 @@ def test_only_bias_free_bfloat16_layers_with_pairs_take_the_kernel():
     assert all(layer.native is None and layer.packed is not None for layer in taken)
 
 
-def test_the_rows_it_runs_are_those_up_to_which_it_was_never_slower():
-    before = {1: 10.0, 4: 10.0, 16: 20.0, 64: 50.0, 256: 100.0, 1024: 400.0}
-    assert kernels.native_rows_from(before, {1: 5.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 380.0}) \
-        == kernels.EVERY_ROWS
-    assert kernels.native_rows_from(before, {1: 5.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 420.0}) == 256
-    assert kernels.native_rows_from(before, {1: 5.0, 4: 6.0, 16: 25.0, 64: 45.0, 256: 90.0, 1024: 380.0}) == 4  # AMX
-    assert kernels.native_rows_from(before, {1: 11.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 380.0}) == 0
 
 
 def test_the_measurement_times_both_kernels_on_the_models_layers():
     layers_ = [packed_layer(seed=s) for s in range(3)]
-    rows, timings = kernels.measure_native_rows(layers_, OPS, sizes=(1, 4, 300))
+    (first, last), timings = kernels.measure_native_rows(layers_, OPS, sizes=(1, 4, 300))
     assert set(timings) == {"before", "native"} and set(timings["native"]) == {1, 4, 300}
     assert all(ms > 0 for kind in timings.values() for ms in kind.values())
-    assert rows in (0, 1, 4, kernels.EVERY_ROWS)
+    assert first in (0, 1, 4, 300) and last in (0, 1, 4, kernels.EVERY_ROWS) and first <= last
     assert all(layer.native is None for layer in layers_)  # measuring changes nothing
 
 
@@ -172,9 +165,10 @@ def test_the_job_measures_once_per_machine_and_model_and_remembers(tmp_path, mon
     memory = widths.MachineMemory(tmp_path / "widths.json", {"machine": "test"})
     measured = []
     monkeypatch.setattr(kernels, "measure_native_rows",
-                        lambda layers_, ops: measured.append(1) or (16, {"before": {}, "native": {}}))
-    assert assembly.tune_native(loaded, memory) == 16
-    assert assembly.tune_native(loaded, memory) == 16 and len(measured) == 1
-    assert all(layer.native_last == 16 * layer.in_features for layer in native.packed_linears(model))
+                        lambda layers_, ops, **_: measured.append(1) or ((4, 16), {"before": {}, "native": {}}))
+    assert assembly.tune_native(loaded, memory) == (4, 16)
+    assert assembly.tune_native(loaded, memory) == (4, 16) and len(measured) == 1
+    assert all(layer.native_first == 4 * layer.in_features and layer.native_last == 16 * layer.in_features
+               for layer in native.packed_linears(model))
     saved = json.loads((tmp_path / "widths.json").read_text())
-    assert [entry["native_rows"] for entry in saved.values()] == [16]
+    assert [entry["native_rows"] for entry in saved.values()] == [[4, 16]]

@@ -178,7 +178,8 @@ def _apply_kernels(name: str, *loaded: models.LoadedModel | None, pending_bytes:
     if not kernels.available():
         return "stock", [] if name == "auto" else ["--kernels packed needs a PyTorch build with oneDNN: "
                                                    "running the stock kernels"]
-    extra = sum(kernels.packable_bytes(m) for m in present)
+    native_dtypes = native.load().linear_dtypes if any(native.wants(m) for m in present) else ()
+    extra = sum(kernels.packable_bytes(m, native_dtypes) for m in present)
     if extra == 0:  # a GPU, or another dtype than float32 and bfloat16
         return "stock", [] if name == "auto" else ["--kernels packed applies to float32 and bfloat16 models on a CPU: "
                                                    "running the stock kernels"]
@@ -242,23 +243,35 @@ def tune_kernels(loaded: models.LoadedModel, memory: widths.MachineMemory) -> in
     return rows
 
 
-def tune_native(loaded: models.LoadedModel, memory: widths.MachineMemory) -> int:
-    """Run ``loaded``'s bfloat16 linears on batchspec's kernel up to the rows from which this machine measured oneDNN's
-    faster (``kernels.measure_native_rows``: a CPU with AMX tiles takes wide products back), measured once per machine
-    and model and remembered in ``memory``. Returns those rows (0: oneDNN runs them all, or no kernel applies)."""
+def tune_native(loaded: models.LoadedModel, memory: widths.MachineMemory) -> tuple[int, int]:
+    """Run ``loaded``'s linears on batchspec's kernel over the rows where this machine measured it no slower than the
+    kernels that ran them before (``kernels.measure_native_rows``: a CPU with AMX tiles takes wide bfloat16 products
+    back, MKL may keep one row), measured once per machine and model and remembered in ``memory``. Returns those rows,
+    (first, last) ((0, 0): the kernels they had run them all, or no kernel applies)."""
     from ..models import kernels
 
     model = loaded.model
     built = native.load()
     layers = native.packed_linears(model)
-    if not (built.linear and any(kernels.nativeable(layer) for layer in layers)):
-        return 0
+    if not any(kernels.nativeable(layer, built.linear_dtypes) for layer in layers):
+        return 0, 0
     job = {"native rows of": str(model.config.name_or_path or loaded.name), "dtype": models.dtype_name(model),
            "parameters": sum(p.numel() for p in model.parameters()), "kernels": built.key}
     entry = memory.get(job)
-    rows = entry.get("native_rows") if isinstance(entry, dict) else None
-    if not (isinstance(rows, int) and (0 <= rows <= kernels.NATIVE_ROWS_TIMED[-1] or rows == kernels.EVERY_ROWS)):
-        rows, timings = kernels.measure_native_rows(layers, built.ops)
-        memory.put(job, {"native_rows": rows, "ms": timings})
-    native.use_native_rows(model, rows)
-    return rows
+    span = entry.get("native_rows") if isinstance(entry, dict) else None
+    if not _native_span(span):
+        span, timings = kernels.measure_native_rows(layers, built.ops, dtypes=built.linear_dtypes)
+        memory.put(job, {"native_rows": list(span), "ms": timings})
+    first, last = span
+    native.use_native_rows(model, last, first)
+    return first, last
+
+
+def _native_span(span) -> bool:
+    """Whether a remembered ``native_rows`` is one ``kernels.native_rows_from`` gives: [first, last] of timed sizes."""
+    from ..models import kernels
+
+    sizes = (0, *kernels.NATIVE_ROWS_TIMED)
+    return (isinstance(span, list) and len(span) == 2 and all(isinstance(rows, int) for rows in span)
+            and span[0] in sizes and (span[1] in sizes or span[1] == kernels.EVERY_ROWS)
+            and (span[0] == 0) == (span[1] == 0) and span[0] <= span[1])

@@ -104,13 +104,13 @@ class PackedLinear(nn.Linear):
             (MAX_ROWS_BF16 if bf16 else MAX_ROWS) * self.in_features  # [first, last] input elements run packed
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        # batchspec's bfloat16 kernel (``use_native``): its ops, its layout of the weight, the most input elements it
-        # runs (-1: none)
-        self.native_ops, self.native, self.native_last = None, None, -1
+        # batchspec's kernel (``use_native``): its ops, its layout of the weight, the fewest and the most input elements
+        # it runs (-1: none)
+        self.native_ops, self.native, self.native_first, self.native_last = None, None, 0, -1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = x.numel()
-        if size <= self.native_last and x.dtype == torch.bfloat16:
+        if self.native_first <= size <= self.native_last and x.dtype == self.weight.dtype:
             return self.native_ops.linear(x, self.native, self.out_features)
         if self.packed is None or not self.first <= size <= self.last:
             return F.linear(x, self.weight, self.bias)
@@ -129,7 +129,8 @@ class PackedLinear(nn.Linear):
         return PackedLinear(copy.deepcopy(self.to_linear(), memo), self.min_rows)
 
     def extra_repr(self) -> str:
-        native = f", native_rows={self.native_last // self.in_features}" if self.native is not None else ""
+        native = f", native_rows={self.native_first // self.in_features}-{self.native_last // self.in_features}" \
+            if self.native is not None else ""
         return f"{super().extra_repr()}, min_rows={self.min_rows}{native}"
 
 
@@ -142,18 +143,20 @@ def set_min_rows(model: nn.Module, min_rows: int) -> None:
             layer.min_rows, layer.first = min_rows, min_rows * layer.in_features
 
 
-def nativeable(layer: nn.Module) -> bool:
-    """Whether batchspec's bfloat16 linear kernel can run ``layer``: a bfloat16 ``PackedLinear`` without bias and with
-    an even number of input features."""
-    return (isinstance(layer, PackedLinear) and layer.weight.dtype == torch.bfloat16 and layer.bias is None
-            and layer.in_features % 2 == 0)
+def nativeable(layer: nn.Module, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
+    """Whether batchspec's linear kernel, built for the weight dtypes ``dtypes``, can run ``layer``: a ``PackedLinear``
+    of one of them without bias (bfloat16: with an even number of input features)."""
+    return (isinstance(layer, PackedLinear) and layer.weight.dtype in dtypes and layer.bias is None
+            and (layer.weight.dtype != torch.bfloat16 or layer.in_features % 2 == 0))
 
 
-def use_native(layers: list[nn.Module], ops, rows: int) -> None:
-    """Run the ``nativeable`` of ``layers`` on batchspec's bfloat16 kernel (``ops``: ``torch.ops.batchspec``, built with
-    ``linear_cpu.cpp``) for inputs of up to ``rows`` rows (``EVERY_ROWS``: all); 0 gives them back to oneDNN. Where
-    the kernel takes every size oneDNN did, oneDNN's copy of the weight is freed (the memory stays what packing
-    took). A ``MixedLinear`` takes the kernel at every size whatever ``rows`` (0: its reference product again)."""
+def use_native(layers: list[nn.Module], ops, rows: int, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+               first: int = 1) -> None:
+    """Run the ``nativeable`` of ``layers`` on batchspec's kernel (``ops``: ``torch.ops.batchspec``, built with
+    ``linear_cpu.cpp`` for the weight dtypes ``dtypes``) for inputs of ``first`` to ``rows`` rows (``EVERY_ROWS``: all
+    from ``first``); ``rows`` 0 gives them back to oneDNN. Where the kernel takes every size oneDNN did, oneDNN's copy
+    of the weight is freed (the memory stays what packing took). A ``MixedLinear`` takes the kernel at every size
+    whatever ``rows`` (0: its reference product again)."""
     for layer in layers:
         if isinstance(layer, MixedLinear):  # its only bfloat16 kernel: every size
             if rows <= 0:
@@ -162,7 +165,7 @@ def use_native(layers: list[nn.Module], ops, rows: int) -> None:
                 with torch.no_grad():
                     layer.native_ops, layer.native = ops, ops.pack_linear(layer.weight.detach())
             continue
-        if not nativeable(layer):
+        if not nativeable(layer, dtypes):
             continue
         if rows <= 0:
             drop_native(layer)
@@ -171,8 +174,9 @@ def use_native(layers: list[nn.Module], ops, rows: int) -> None:
             with torch.no_grad():
                 layer.native = ops.pack_linear(layer.weight.detach())
         layer.native_ops = ops
+        layer.native_first = first * layer.in_features
         layer.native_last = EVERY_ROWS * layer.in_features if rows >= EVERY_ROWS else rows * layer.in_features
-        if layer.native_last >= layer.last:
+        if layer.native_first <= layer.first and layer.native_last >= layer.last:
             layer.packed = None
 
 
@@ -235,7 +239,7 @@ def drop_native(layer: PackedLinear | MixedLinear) -> None:
     if isinstance(layer, MixedLinear):
         layer.native_ops, layer.native = None, None
         return
-    layer.native_ops, layer.native, layer.native_last = None, None, -1
+    layer.native_ops, layer.native, layer.native_first, layer.native_last = None, None, 0, -1
     if layer.packed is None:
         with torch.no_grad():
             layer.packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
@@ -248,37 +252,43 @@ EVERY_ROWS = 1 << 30  # the kernel runs every size (it was never slower, up to a
 DEFAULT_NATIVE_ROWS = 8  # unmeasured (--kernels packed): a product streaming its weights, where it was 1.5-2x oneDNN's
 
 
-def native_rows_from(before: dict[int, float], native: dict[int, float]) -> int:
-    """The most rows the native kernel runs: the largest timed size up to which it was never slower than the kernel
-    that ran that size before (oneDNN's packed one, the stock one above ``MAX_ROWS_BF16``); ``EVERY_ROWS`` when it
-    never was; 0 when it was slower at the smallest."""
-    rows = 0
-    for size in sorted(native):
+def native_rows_from(before: dict[int, float], native: dict[int, float]) -> tuple[int, int]:
+    """The rows the native kernel runs, (first, last): from the smallest timed size where it was no slower than the
+    kernel that ran that size before (oneDNN's packed one over its range, the stock one outside it), up to the largest
+    timed size before which it never was slower again (``EVERY_ROWS`` when it never was); (0, 0) when it was slower at
+    every size. Sizes below the first keep the kernel they had (MKL's one-row product can stream faster)."""
+    sizes = sorted(native)
+    first = next((size for size in sizes if native[size] <= before[size]), 0)
+    if not first:
+        return 0, 0
+    last = first
+    for size in sizes[sizes.index(first):]:
         if native[size] > before[size]:
-            return rows
-        rows = size
-    return EVERY_ROWS if rows else 0
+            return first, last
+        last = size
+    return first, EVERY_ROWS
 
 
 @torch.no_grad()
 def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = NATIVE_ROWS_TIMED,
-                        repeats: int = 1) -> tuple[int, dict]:
-    """Time batchspec's kernel against the one that runs each size of ``sizes`` rows today (oneDNN's packed kernel up
-    to ``MAX_ROWS_BF16`` rows, the stock one above) on the ``nativeable`` of ``layers``, in order until ``TIMED_BYTES``
-    of weights (``NATIVE_WIDE_BYTES`` from ``NATIVE_WIDE_ROWS`` rows), interleaved, the fastest of ``repeats`` after
-    one untimed pass. Returns (``native_rows_from`` the timings, {"before"|"native": {rows: ms}}); (0, {}) without
-    such layers."""
+                        repeats: int = 1,
+                        dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> tuple[tuple[int, int], dict]:
+    """Time batchspec's kernel (built for ``dtypes``) against the one that runs each size of ``sizes`` rows today
+    (oneDNN's packed kernel over the layer's packed range, the stock one outside it) on the ``nativeable`` of
+    ``layers`` (one model: one dtype), in order until ``TIMED_BYTES`` of weights (``NATIVE_WIDE_BYTES`` from
+    ``NATIVE_WIDE_ROWS`` rows), interleaved, the fastest of ``repeats`` after one untimed pass. Returns
+    (``native_rows_from`` the timings, {"before"|"native": {rows: ms}}); ((0, 0), {}) without such layers."""
     timed, streamed = [], 0
     for layer in layers:
-        if nativeable(layer) and streamed < TIMED_BYTES:
+        if nativeable(layer, dtypes) and streamed < TIMED_BYTES:
             native = layer.native if layer.native is not None else ops.pack_linear(layer.weight.detach())
             packed = layer.packed if layer.packed is not None else \
                 torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach())
             timed.append((layer, native, packed, streamed < NATIVE_WIDE_BYTES))
             streamed += layer.weight.numel() * layer.weight.element_size()
     if not timed:
-        return 0, {}
-    inputs = _inputs(sizes, {entry[0].in_features for entry in timed}, torch.bfloat16)
+        return (0, 0), {}
+    inputs = _inputs(sizes, {entry[0].in_features for entry in timed}, timed[0][0].weight.dtype)
 
     def seconds(rows: int, native: bool) -> float:
         start = time.perf_counter()
@@ -288,7 +298,7 @@ def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = N
             x = inputs[rows, layer.in_features]
             if native:
                 ops.linear(x, weight, layer.out_features)
-            elif rows <= MAX_ROWS_BF16:
+            elif layer.first <= x.numel() <= layer.last:
                 torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
             else:
                 F.linear(x, layer.weight)
@@ -429,11 +439,13 @@ def unpack(model: nn.Module) -> nn.Module:
     return model
 
 
-def packable_bytes(model: nn.Module) -> int:
+def packable_bytes(model: nn.Module, native_dtypes: tuple[torch.dtype, ...] = ()) -> int:
     """The memory ``prepack`` (and ``use_native``, for a mixed model) would add to ``model``: the weight bytes of its
-    not yet packed float32 and bfloat16 CPU linears."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if _packable(m) or (isinstance(m, MixedLinear) and m.native is None))
+    not yet packed float32 and bfloat16 CPU linears; twice for those of ``native_dtypes``, whose layout for
+    batchspec's kernel is held beside oneDNN's where the kernel takes only some sizes."""
+    return sum(m.weight.numel() * m.weight.element_size() * (2 if _packable(m) and m.weight.dtype in native_dtypes
+                                                             else 1)
+               for m in model.modules() if _packable(m) or (isinstance(m, MixedLinear) and m.native is None))
 
 
 def memory_available() -> int | None:

@@ -1,5 +1,6 @@
-// batchspec's bfloat16 linear layer for a CPU with AVX512-BF16; models/native.py builds it with the other kernels and
-// kernels.PackedLinear runs it (kernels.use_native) for the input sizes where this machine measured it faster.
+// batchspec's linear layers for a CPU: bfloat16 weights where it has AVX512-BF16, float32 weights where it has AVX-512;
+// models/native.py builds them with the other kernels and kernels.PackedLinear runs them (kernels.use_native) for the
+// input sizes where this machine measured them faster.
 //
 // y[m, n] = sum_k x[m, k] w[n, k], a bfloat16 weight, summed in float32. A bfloat16 x gives a bfloat16 y; a float32 x
 // is rounded to bfloat16 (nearest even, elementwise) and gives the float32 sums themselves (--dtype mixed: bfloat16
@@ -16,6 +17,13 @@
 // product, on how many there are or on the threads, unlike oneDNN's and MKL's, whose order depends on the product's
 // size. vdpbf16ps reads subnormal bfloat16 inputs (below 1.2e-38 in magnitude) as zero and flushes subnormal sums to
 // zero.
+//
+// float32 (a float32 weight, x and y): the weight laid out once in panels of 64 outputs, a k's 64 outputs side by
+// side; one fused multiply-add takes x[m, k], broadcast, to 16 outputs, the same tiles of up to 6 rows x 64 outputs,
+// and the next panel lines fetched ahead of use. Why: on an AVX-512 Xeon without bfloat16 units, where a job runs
+// float32, MKL and oneDNN ran 4-32 rows (a decode step's products) at a quarter to a half of what the core streams or
+// computes. Each output is one float32 sum over k upwards, whatever the rows beside it: blocks of 64 k steps (a fused
+// multiply-add a step), each block's sum added to the total in order (the error of 64 terms and k / 64, not of k).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,12 +46,41 @@ bool has_linear() {
 #endif
 }
 
+bool has_linear_float() {
+#ifdef BATCHSPEC_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+// float32: weight [n, k] -> [ceil(n / 64), k, 64] (outputs past n are zeros)
+at::Tensor pack_linear_float(const at::Tensor& weight) {
+  TORCH_CHECK(has_linear_float(), "the float32 linear kernel needs a CPU with AVX-512");
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + COLS - 1) / COLS;
+  const at::Tensor dense = weight.contiguous();
+  at::Tensor out = at::zeros({panels, k, COLS}, weight.options());
+  const float* src = dense.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      for (int64_t c = 0; c < COLS && p * COLS + c < n; ++c) {
+        const float* row = src + (p * COLS + c) * k;
+        float* to = dst + p * k * COLS + c;
+        for (int64_t j = 0; j < k; ++j) to[j * COLS] = row[j];
+      }
+  });
+  return out;
+}
+
 // weight [n, k] -> [ceil(n / 64), k / 2, 64, 2]: for each panel and k-pair, the 64 outputs' pairs side by side
 // (outputs past n are zeros)
 at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
+                  weight.device().is_cpu(),
+              "pack_linear takes a 2-D bfloat16 or float32 CPU weight");
+  if (weight.scalar_type() == at::kFloat) return pack_linear_float(weight);
   TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
-              "pack_linear takes a 2-D bfloat16 CPU weight");
   TORCH_CHECK(weight.size(1) % 2 == 0, "pack_linear takes an even number of input features");
   const int64_t n = weight.size(0), pairs = weight.size(1) / 2, panels = (n + COLS - 1) / COLS;
   const at::Tensor dense = weight.contiguous();
@@ -107,10 +144,93 @@ void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat
 }
 #endif
 
+#ifdef BATCHSPEC_AVX512
+constexpr int64_t AHEAD = 16;  // k steps (16 x 256 bytes of the panel) fetched ahead of the one summed
+constexpr int64_t KB = 64;     // k steps summed apart before their sum joins the total
+
+// R rows of x (k floats each) times one float32 panel; writes the panel's `cols` outputs of each row
+template <int R>
+inline void tile_float(const float* x, int64_t k, const float* panel, float* y, int64_t stride, int64_t cols) {
+  __m512 total[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 4; ++b) total[r][b] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < k; j0 += KB) {  // a block's sum joins the total: the error of 64 terms, not of k
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < std::min(k, j0 + KB); ++j) {
+      const float* w = panel + j * COLS;
+      for (int b = 0; b < 4; ++b) _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * COLS + b * 16), _MM_HINT_T0);
+      __m512 wv[4];
+      for (int b = 0; b < 4; ++b) wv[b] = _mm512_loadu_ps(w + b * 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(x[r * k + j]);
+        for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_fmadd_ps(xr, wv[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < 4; ++b) total[r][b] = _mm512_add_ps(total[r][b], acc[r][b]);
+  }
+  for (int b = 0; b < 4 && b * 16 < cols; ++b) {
+    const int64_t live = std::min<int64_t>(16, cols - b * 16);
+    const __mmask16 mask = live == 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * stride + b * 16, mask, total[r][b]);
+  }
+}
+
+void rows_by_panel_float(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t stride,
+                         int64_t cols) {
+  int64_t r = 0;
+  for (; r + ROWS <= m; r += ROWS) tile_float<ROWS>(x + r * k, k, panel, y + r * stride, stride, cols);
+  const float* xr = x + r * k;
+  float* yr = y + r * stride;
+  switch (m - r) {
+    case 5: tile_float<5>(xr, k, panel, yr, stride, cols); break;
+    case 4: tile_float<4>(xr, k, panel, yr, stride, cols); break;
+    case 3: tile_float<3>(xr, k, panel, yr, stride, cols); break;
+    case 2: tile_float<2>(xr, k, panel, yr, stride, cols); break;
+    case 1: tile_float<1>(xr, k, panel, yr, stride, cols); break;
+    default: break;
+  }
+}
+#endif
+
+// float32 x [..., k] times a float32 packed weight -> float32 [..., out_features]
+at::Tensor linear_float(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(has_linear_float(), "the float32 linear kernel needs a CPU with AVX-512");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), "a float32 packed weight takes a float32 input");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == COLS &&
+                  packed.size(0) * COLS >= out_features && packed.size(0) * COLS < out_features + COLS,
+              "linear: the input and the packed weight do not match");
+  const at::Tensor flat = x.reshape({-1, k}).contiguous();
+  const int64_t m = flat.size(0), panels = packed.size(0);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  at::Tensor y = at::empty({m, out_features}, x.options());
+#ifdef BATCHSPEC_AVX512
+  if (m > 0) {
+    const float* xs = flat.data_ptr<float>();
+    const float* ws = packed.data_ptr<float>();
+    float* ys = y.data_ptr<float>();
+    at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+      for (int64_t p = first; p < last; ++p)
+        rows_by_panel_float(xs, m, k, ws + p * k * COLS, ys + p * COLS, out_features,
+                            std::min<int64_t>(COLS, out_features - p * COLS));
+    });
+  }
+#endif
+  return y.view(shape);
+}
+
 // x [..., k] bfloat16 or float32 times a packed weight of `out_features` outputs -> [..., out_features] in `dtype`:
 // x's dtype, or float32
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                   std::optional<at::ScalarType> dtype) {
+  if (packed.scalar_type() == at::kFloat) {
+    TORCH_CHECK(dtype.value_or(at::kFloat) == at::kFloat, "a float32 packed weight gives float32");
+    return linear_float(x, packed, out_features);
+  }
   TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   packed.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
@@ -149,6 +269,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_fea
 
 TORCH_LIBRARY_FRAGMENT(batchspec, m) {
   m.def("has_linear() -> bool", &has_linear);
+  m.def("has_linear_float() -> bool", &has_linear_float);
   m.def("pack_linear(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, int out_features, ScalarType? dtype=None) -> Tensor");
 }

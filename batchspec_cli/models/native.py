@@ -60,6 +60,9 @@ class Built:
         self.ops = module  # every operator, the layers' elementwise ones too (``layers``)
         # the bfloat16 linear kernel, where the CPU has AVX512-BF16 (kernels.use_native runs it)
         self.linear = module is not None and module.has_linear()
+        # the weight dtypes the linear kernels take: float32 where the CPU has AVX-512, bfloat16 as ``linear``
+        self.linear_dtypes = tuple(dtype for dtype, built in (
+            (torch.bfloat16, self.linear), (torch.float32, module is not None and module.has_linear_float())) if built)
         self.error, self.seconds, self.built_now = error, seconds, built_now
         self.key = key  # the build's key (source, CPU, versions)
         self._told = False
@@ -221,8 +224,8 @@ def attach(model: torch.nn.Module) -> bool:
     for layer in model.modules():
         if layers.fusable(layer):
             layers.attach(layer, built.ops)
-    if built.linear:
-        kernels.use_native(packed_linears(model), built.ops, kernels.DEFAULT_NATIVE_ROWS)
+    if built.linear_dtypes:
+        kernels.use_native(packed_linears(model), built.ops, kernels.DEFAULT_NATIVE_ROWS, built.linear_dtypes)
     return True
 
 
@@ -243,12 +246,12 @@ def on_kernel(model: torch.nn.Module) -> bool:
     return all(layer.native is not None for layer in packed_linears(model) if isinstance(layer, kernels.MixedLinear))
 
 
-def use_native_rows(model: torch.nn.Module, rows: int) -> None:
-    """Run ``model``'s bfloat16 linears on batchspec's kernel for inputs of up to ``rows`` rows (0: on oneDNN's), where
-    the kernel was built for this CPU."""
+def use_native_rows(model: torch.nn.Module, rows: int, first: int = 1) -> None:
+    """Run ``model``'s linears on batchspec's kernel for inputs of ``first`` to ``rows`` rows (``rows`` 0: on the
+    kernels they had), where the kernel was built for this CPU and the model's dtype."""
     built = load()
-    if built.linear:
-        kernels.use_native(packed_linears(model), built.ops, rows)
+    if built.linear_dtypes:
+        kernels.use_native(packed_linears(model), built.ops, rows, built.linear_dtypes, first)
 
 
 def running(model: torch.nn.Module) -> str:

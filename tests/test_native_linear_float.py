@@ -1,0 +1,152 @@
+"""batchspec's float32 linear kernel (models/linear_cpu.cpp, any CPU with AVX-512) and the rows it runs
+(kernels.native_rows_from, kernels.use_native): its products against float64 ones within the error bound of its
+blocked sum, a row's outputs the same whatever rows run beside it, the shapes a model has, the range of sizes it
+takes from MKL and oneDNN, and a float32 model on it against the stock model."""
+
+import pytest
+import torch
+from torch import nn
+
+from batchspec_cli.models import kernels, layers, native
+from conftest import make_tiny_llama
+
+BUILT = native.load()
+needs_kernel = pytest.mark.skipif(torch.float32 not in BUILT.linear_dtypes,
+                                  reason="the float32 linear kernel needs AVX-512 and a build: "
+                                         f"{BUILT.error or 'this CPU has no AVX-512'}")
+OPS = BUILT.ops
+UNIT = 2.0**-24  # float32's unit roundoff
+
+
+def random(shape, seed, scale=1.0):
+    return scale * torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def product(x, weight):
+    return OPS.linear(x, OPS.pack_linear(weight), weight.shape[0])
+
+
+def test_the_rows_it_runs_span_the_sizes_where_it_was_never_slower():
+    before = {1: 10.0, 4: 10.0, 16: 20.0, 64: 50.0, 256: 100.0, 1024: 400.0}
+    rule = kernels.native_rows_from
+    assert rule(before, {1: 5.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 380.0}) == (1, kernels.EVERY_ROWS)
+    assert rule(before, {1: 5.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 420.0}) == (1, 256)
+    assert rule(before, {1: 5.0, 4: 6.0, 16: 25.0, 64: 45.0, 256: 90.0, 1024: 380.0}) == (1, 4)  # AMX's wide tiles
+    # MKL's one-row product streams faster on some CPUs: it keeps one row, the kernel runs from 4
+    assert rule(before, {1: 11.0, 4: 6.0, 16: 15.0, 64: 45.0, 256: 90.0, 1024: 380.0}) == (4, kernels.EVERY_ROWS)
+    assert rule(before, {1: 11.0, 4: 6.0, 16: 15.0, 64: 55.0, 256: 90.0, 1024: 380.0}) == (4, 16)
+    assert rule(before, {1: 11.0, 4: 11.0, 16: 21.0, 64: 55.0, 256: 101.0, 1024: 401.0}) == (0, 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(576, 576), (70, 1536), (1, 3), (130, 64), (64, 200)])
+def test_the_product_is_the_float64_product_within_its_sums_error_bound(out_features, in_features):
+    x, weight = random((11, in_features), 1), random((out_features, in_features), 2, 0.05)
+    got = product(x, weight)
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    # blocks of 64 terms summed apart, then the blocks in order: (64 + k / 64 + 1) roundings at most
+    bound = (64 + in_features / 64 + 1) * UNIT * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+    stock = nn.functional.linear(x, weight).double()
+    assert (got.double() - exact).abs().max() <= 4 * (stock - exact).abs().max() + 1e-12  # as close as PyTorch's
+
+
+@needs_kernel
+def test_a_rows_outputs_do_not_depend_on_the_rows_or_threads_beside_it():
+    weight, x = random((200, 576), 3, 0.05), random((37, 576), 4)
+    packed = OPS.pack_linear(weight)
+    together = OPS.linear(x, packed, 200)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(OPS.linear(x, packed, 200), together)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (1, 2, 5, 6, 7, 13):
+        for start in (0, 3, 37 - rows):
+            assert torch.equal(OPS.linear(x[start : start + rows], packed, 200), together[start : start + rows])
+
+
+@needs_kernel
+def test_every_shape_a_forward_passes():
+    weight = random((96, 63), 5)
+    packed = OPS.pack_linear(weight)
+    x = random((2, 3, 63), 6)
+    assert torch.equal(OPS.linear(x, packed, 96), OPS.linear(x.reshape(6, 63), packed, 96).view(2, 3, 96))
+    strided = random((63, 6), 7).t()  # not contiguous
+    assert torch.equal(OPS.linear(strided, packed, 96), OPS.linear(strided.contiguous(), packed, 96))
+    assert OPS.linear(random((0, 63), 8), packed, 96).shape == (0, 96)
+    with pytest.raises(RuntimeError):
+        OPS.linear(random((2, 62), 9), packed, 96)  # another input width
+    with pytest.raises(RuntimeError):
+        OPS.linear(x.to(torch.bfloat16), packed, 96)  # a float32 weight takes float32 only
+    with pytest.raises(RuntimeError):
+        OPS.linear(x, packed, 96, torch.bfloat16)
+
+
+def packed_layer(out_features=192, in_features=128, seed=11, min_rows=4):
+    linear = nn.Linear(in_features, out_features, bias=False).requires_grad_(False)
+    linear.weight.copy_(random((out_features, in_features), seed, 0.05))
+    return kernels.PackedLinear(linear, min_rows=min_rows)
+
+
+@needs_kernel
+def test_a_packed_layer_runs_the_kernel_over_its_span_and_the_kernels_it_had_outside():
+    layer = packed_layer()
+    x = random((9, 128), 12)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, None, "none", [], "")
+    kernels.use_native([layer], OPS, 6, (torch.float32,), first=4)
+    assert layer.packed is not None  # oneDNN still runs 7-64 rows
+    assert torch.equal(layer(x[:1]), nn.functional.linear(x[:1], layer.weight))  # below the span: MKL, as before
+    for rows in (4, 6):
+        assert torch.equal(layer(x[:rows]), product(x[:rows], layer.weight))
+    assert torch.equal(layer(x), onednn)
+    kernels.use_native([layer], OPS, kernels.EVERY_ROWS, (torch.float32,), first=4)
+    assert layer.packed is None  # every size oneDNN ran is the kernel's: its copy is freed
+    big = random((300, 128), 13)
+    assert torch.equal(layer(big), product(big, layer.weight))
+    kernels.drop_native(layer)
+    assert layer.native is None and torch.equal(layer(x), onednn)
+    kernels.use_native([layer], OPS, 8)  # built for bfloat16 only: a float32 layer keeps its kernels
+    assert layer.native is None
+
+
+def tiny_float():
+    return make_tiny_llama(300, seed=11, dtype=torch.float32, layers=3, hidden=128, heads=4, kv_heads=2)
+
+
+@needs_kernel
+def test_a_float32_model_on_the_kernel_computes_the_stock_models_logits_and_a_row_is_the_same_in_any_batch():
+    model = tiny_float()
+    ids = torch.randint(3, 300, (4, 13), generator=torch.Generator().manual_seed(1))
+    # the kernel's layout is held beside oneDNN's where it takes only some sizes: --kernels auto counts both
+    assert kernels.packable_bytes(model, (torch.float32,)) == 2 * kernels.packable_bytes(model) > 0
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        kernels.prepack(model)
+        native.attach(model)
+        native.use_native_rows(model, kernels.EVERY_ROWS)
+        linears = native.packed_linears(model)
+        fused = model.model.layers[0].__dict__[layers.ATTRIBUTE]
+        assert fused.qkv in linears and fused.gate_up in linears
+        assert all(layer.native is not None for layer in linears)
+        together = model(input_ids=ids).logits
+        alone = torch.cat([model(input_ids=ids[i : i + 1]).logits for i in range(4)])
+    assert torch.equal(together, alone)
+    assert (together - stock).abs().max() <= 1e-4 * stock.abs().max()  # float32 rounding, not another model
+    assert torch.equal(together.argmax(-1), stock.argmax(-1))
+    native.detach(model)
+    assert all(layer.native is None and layer.packed is not None
+               for layer in model.modules() if isinstance(layer, kernels.PackedLinear))
+
+
+@needs_kernel
+def test_the_measurement_times_both_kernels_on_a_float32_models_layers():
+    layers_ = [packed_layer(seed=s) for s in range(3)]
+    (first, last), timings = kernels.measure_native_rows(layers_, OPS, sizes=(1, 4, 300), dtypes=(torch.float32,))
+    assert set(timings) == {"before", "native"} and set(timings["native"]) == {1, 4, 300}
+    assert all(ms > 0 for kind in timings.values() for ms in kind.values())
+    assert first in (0, 1, 4, 300) and last in (0, 1, 4, 300, kernels.EVERY_ROWS) and first <= last
+    assert all(layer.native is None for layer in layers_)  # measuring changes nothing
+    assert kernels.measure_native_rows(layers_, OPS, sizes=(1, 4)) == ((0, 0), {})  # bfloat16 asked: none here
