@@ -129,7 +129,8 @@ def test_where_the_kernel_cannot_be_built_attention_stays_on_sdpa_and_the_user_i
     assert not any(hasattr(m, native.ATTRIBUTE) for m in model.modules())
 
 
-needs_causal = pytest.mark.skipif(BUILT.causal is None, reason="the causal kernel needs a CPU with AVX512-BF16")
+needs_causal = pytest.mark.skipif(torch.bfloat16 not in BUILT.causal_dtypes,
+                                  reason="the bfloat16 causal kernel needs a CPU with AVX512-BF16")
 
 
 @needs_causal
@@ -144,19 +145,45 @@ def test_the_causal_kernel_matches_float64_attention_as_closely_as_sdpa_does(dim
     v = torch.randn(1, KV, m, dim, generator=g).bfloat16()
     allowed = torch.arange(m)[None] <= torch.arange(m - n, m)[:, None]
     want = exact(q, k, v, allowed)[0]
-    got = native.causal(BUILT.causal, q, k, v, dim ** -0.5)
+    got = native.causal(BUILT, q, k, v, dim ** -0.5)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)[0].transpose(0, 1)
     assert got.shape == (n, HEADS, dim) and got.dtype == torch.bfloat16
     assert (got.double() - want).abs().max() <= 1.5 * (sdpa.double() - want).abs().max() + 1e-3
 
 
-@needs_causal
+needs_causal_float = pytest.mark.skipif(torch.float32 not in BUILT.causal_dtypes,
+                                        reason="the float32 causal kernel needs a CPU with AVX-512")
+
+
+@needs_causal_float
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("n, m", [(1, 1), (15, 15), (17, 17), (300, 300), (600, 600), (40, 300), (1, 270), (33, 47)])
+def test_the_float32_causal_kernel_matches_float64_attention_as_closely_as_sdpa_does(dim, n, m):
+    """The same in float32: blocks of 16 queries, tiles of 256 keys, and key counts that end inside a block of 16."""
+    g = torch.Generator().manual_seed(n * 1000 + m)
+    q = torch.randn(1, HEADS, n, dim, generator=g)
+    k = 2 * torch.randn(1, KV, m, dim, generator=g)
+    v = torch.randn(1, KV, m, dim, generator=g)
+    allowed = torch.arange(m)[None] <= torch.arange(m - n, m)[:, None]
+    want = exact(q, k, v, allowed)[0]
+    got = native.causal(BUILT, q, k, v, dim ** -0.5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)[0].transpose(0, 1)
+    assert got.shape == (n, HEADS, dim) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1.5 * (sdpa.double() - want).abs().max() + 1e-6
+    strided = native.causal(BUILT, q.transpose(1, 2).contiguous().transpose(1, 2), k, v, dim ** -0.5)
+    assert torch.equal(strided, got)  # a layer's query is a transposed view: the same numbers
+
+
+@pytest.mark.skipif(BUILT.causal is None, reason="no causal kernel was built for this CPU")
 def test_the_causal_kernel_leaves_what_it_does_not_take_to_sdpa():
     q = torch.randn(1, HEADS, 5, 64)
-    assert native.causal(BUILT.causal, q, q[:, :KV], q[:, :KV], 0.125) is None  # float32
-    q = q.bfloat16()
-    assert native.causal(BUILT.causal, q[..., :40], q[:, :KV, :, :40], q[:, :KV, :, :40], 0.125) is None  # dim 40
+    assert native.causal(BUILT, q.half(), q[:, :KV].half(), q[:, :KV].half(), 0.125) is None  # float16
+    assert native.causal(BUILT, q[..., :40], q[:, :KV, :, :40], q[:, :KV, :, :40], 0.125) is None  # dim 40
     assert native.causal(None, q, q[:, :KV], q[:, :KV], 0.125) is None  # no kernel built
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype not in BUILT.causal_dtypes:  # float32 without AVX-512, bfloat16 without AVX512-BF16
+            x = q.to(dtype)
+            assert native.causal(BUILT, x, x[:, :KV], x[:, :KV], 0.125) is None
 
 
 def test_a_mask_broadcast_over_rows_means_what_sdpa_makes_of_it_and_a_wrong_shape_is_an_error():

@@ -322,15 +322,15 @@ def packed_forward(model, cache, cache_kwarg: str, tokens: torch.Tensor, pieces:
 _packing = threading.local()  # the running packed forward's Packing, read by _folded_sdpa (one forward per thread)
 
 
-def _packed_attend(query, key, value, packing: Packing, scaling: float | None, kernel=None) -> torch.Tensor:
+def _packed_attend(query, key, value, packing: Packing, scaling: float | None, built=None) -> torch.Tensor:
     """Each piece's queries against its own keys: causal when its keys are its new columns, else causal from the
-    bottom right (the query at new column i sees every earlier column and the new ones up to i). ``kernel``: the
-    model's own causal kernel (``native.causal``), where it applies; else SDPA."""
+    bottom right (the query at new column i sees every earlier column and the new ones up to i). ``built``: the
+    model's own kernels (``native.causal``), where they apply; else SDPA."""
     outs = []
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     for q0, q1, k0, k1 in packing.spans:
         q, k, v = query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1]
-        own = native.causal(kernel, q, k, v, scale)
+        own = native.causal(built, q, k, v, scale)
         if own is not None:
             outs.append(own.transpose(0, 1)[None])  # [1, H, n, D], as SDPA's
             continue
@@ -371,7 +371,7 @@ def _folded_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     packing = getattr(_packing, "value", None)
     if packing is not None:
         built = getattr(module, native.ATTRIBUTE, None)
-        return _packed_attend(query, key, value, packing, scaling, built.causal if built is not None else None), None
+        return _packed_attend(query, key, value, packing, scaling, built), None
     spans = getattr(_spans, "value", None)
     if spans is not None and attention_mask is not None and attention_mask.dim() == 4 \
             and spans[-1][1] == query.shape[0] == key.shape[0] and not kwargs.get("position_bias"):

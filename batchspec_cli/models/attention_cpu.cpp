@@ -11,6 +11,9 @@
 // causal: one row's bfloat16 prefill, each query attending to its own keys causally from the bottom right, on a CPU
 // with AVX512-BF16: scores as float32 dot products of bfloat16 pairs (vdpbf16ps), a running max and sum over tiles of
 // key columns, the probabilities rounded to bfloat16 for the product with the values (as SDPA's CPU flash kernel).
+// In float32 on any CPU with AVX-512 the same tiles in float32 throughout: scores by fused multiply-adds over the head's
+// dims, the probabilities kept in float32 (SDPA's CPU flash kernel ran a float32 prefill at a third of this core's
+// float32 products).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -385,6 +388,136 @@ void causal_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 }
 #endif
 
+#ifdef BATCHSPEC_AVX512
+constexpr int QBF = 16;  // float32: query rows per block of a causal prefill
+constexpr int64_t TF = 256;  // float32: key columns per tile
+constexpr int SUM_BLOCK = 16;  // float32: terms (dims of a score, columns of the values) summed apart, then added
+
+// float32: K of one KV head as 16-column blocks of [d][column] (columns past nk are zeros)
+template <int D>
+void pack_k_float(const float* k, int64_t ks, int64_t nk, int64_t nk16, float* kp) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int d = 0; d < D; ++d) kp[(j / 16) * (D * 16) + d * 16 + j % 16] = k[j * ks + d];
+}
+
+// One block of QBF query rows of one head in float32, causal from the bottom right (query i sees keys 0 .. shift + i),
+// over tiles of TF key columns with a running max and sum; the values read in place (row j at v + j * vs).
+template <int D>
+void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, const float* kp, const float* v,
+                        int64_t vs, int64_t nk, int64_t shift, float scale, float* out, int64_t os_i, float* s,
+                        float* o) {
+  constexpr int NC = D / 16;
+  float m[QBF], l[QBF];
+  const int64_t kmax = std::min(nk, shift + i0 + rows);  // columns any row of the block sees
+  const float* qr[QBF];
+  for (int r = 0; r < QBF; ++r) qr[r] = q + (i0 + std::min<int64_t>(r, rows - 1)) * qs_i;
+  std::fill(o, o + QBF * D, 0.f);
+  std::fill(m, m + QBF, NEG_INF);
+  std::fill(l, l + QBF, 0.f);
+  for (int64_t t0 = 0; t0 < kmax; t0 += TF) {
+    const int64_t width = std::min(TF, (kmax - t0 + 15) / 16 * 16);  // whole 16-column blocks of the packed K
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {
+      const float* kc = &kp[((t0 + c0) / 16) * (D * 16)];
+      for (int d0 = 0; d0 < D; d0 += SUM_BLOCK) {  // each block of dims summed apart, then added in order
+        __m512 acc[QBF];
+        for (int r = 0; r < QBF; ++r) acc[r] = _mm512_setzero_ps();
+        for (int d = d0; d < d0 + SUM_BLOCK; ++d) {
+          const __m512 kv = _mm512_loadu_ps(kc + d * 16);
+          for (int r = 0; r < QBF; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), kv, acc[r]);
+        }
+        for (int r = 0; r < QBF; ++r)
+          _mm512_storeu_ps(&s[r * TF + c0], d0 ? _mm512_add_ps(_mm512_loadu_ps(&s[r * TF + c0]), acc[r]) : acc[r]);
+      }
+    }
+    const int64_t live = std::min(width, nk - t0);  // the tile's columns that exist (the values read)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = &s[r * TF];
+      const int64_t allowed = std::min(width, shift + i0 + r + 1 - t0);  // columns of the tile it sees
+      const __m512 sc = _mm512_set1_ps(scale);
+      __m512 top = _mm512_set1_ps(NEG_INF);
+      for (int64_t j = 0; j < width; j += 16) {
+        const int64_t left = allowed - j;
+        const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0)
+                                                                       : __mmask16((1u << left) - 1);
+        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), in, _mm512_loadu_ps(row + j), sc);
+        _mm512_storeu_ps(row + j, x);
+        top = _mm512_max_ps(top, x);
+      }
+      const float now = std::max(m[r], _mm512_reduce_max_ps(top));
+      const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - now);
+      m[r] = now;
+      const __m512 shiftv = _mm512_set1_ps(now);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < width; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shiftv));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(row + j, e);
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+      if (alpha != 1.f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(&o[r * D + c * 16], _mm512_mul_ps(av, _mm512_loadu_ps(&o[r * D + c * 16])));
+      }
+    }
+    // every row of the block, in groups the registers hold (rows past ``rows`` too, harmlessly)
+    constexpr int RG = NC <= 4 ? 4 : 2;
+    static_assert(QBF % RG == 0, "whole groups");
+    for (int r0 = 0; r0 < QBF; r0 += RG) {
+      for (int64_t b0 = 0; b0 < live; b0 += SUM_BLOCK) {  // each block of columns summed apart, then added in order
+        __m512 part[RG][NC];
+        for (int g = 0; g < RG; ++g)
+          for (int c = 0; c < NC; ++c) part[g][c] = _mm512_setzero_ps();
+        for (int64_t t = b0; t < std::min(live, b0 + SUM_BLOCK); ++t) {
+          const float* vt = v + (t0 + t) * vs;
+          __m512 vv[NC];
+          for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vt + c * 16);
+          for (int g = 0; g < RG; ++g) {
+            const __m512 pv = _mm512_set1_ps(s[(r0 + g) * TF + t]);
+            for (int c = 0; c < NC; ++c) part[g][c] = _mm512_fmadd_ps(pv, vv[c], part[g][c]);
+          }
+        }
+        for (int g = 0; g < RG; ++g)
+          for (int c = 0; c < NC; ++c) {
+            float* to = &o[(r0 + g) * D + c * 16];
+            _mm512_storeu_ps(to, _mm512_add_ps(_mm512_loadu_ps(to), part[g][c]));
+          }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    float* out_r = out + (i0 + r) * os_i;
+    for (int d = 0; d < D; ++d) out_r[d] = o[r * D + d] * inv;
+  }
+}
+
+template <int D>
+void causal_all_float(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                      at::Tensor& out) {
+  const int64_t H = query.size(1), n = query.size(2), G = key.size(1), nk = key.size(2);
+  const int64_t rep = H / G, shift = nk - n, nk16 = (nk + 15) / 16 * 16, blocks = (n + QBF - 1) / QBF;
+  const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
+  const float* qp = query.data_ptr<float>();
+  const float* kb = key.data_ptr<float>();
+  const float* vb = value.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  std::vector<float> kp(G * D * nk16, 0.f);
+  at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) pack_k_float<D>(kb + g * ks[1], ks[2], nk, nk16, &kp[g * D * nk16]);
+  });
+  at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> s(QBF * TF), o(QBF * D);
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t h = item / blocks, i0 = (item % blocks) * QBF, g = h / rep;
+      causal_block_float<D>(qp + h * qs[1], qs[2], i0, std::min<int64_t>(QBF, n - i0), &kp[g * D * nk16],
+                            vb + g * vs[1], vs[2], nk, shift, static_cast<float>(scale), op + h * D, H * D, s.data(),
+                            o.data());
+    }
+  });
+}
+#endif
+
 // The same in plain C++ (any head dim, any CPU): the sums run in column order, so padding changes nothing either.
 template <typename T, typename M>
 void attend_any(const float* qf, int64_t R, int64_t Q, int64_t rep, int64_t D, const T* kb, int64_t ks, const T* vb,
@@ -535,13 +668,30 @@ bool has_causal() {
 #endif
 }
 
+bool has_causal_float() {
+#ifdef BATCHSPEC_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor causal(at::Tensor query, at::Tensor key, at::Tensor value, double scale) {
-  // query [1, H, n, D], key and value [1, G, nk, D], bfloat16, the last dims contiguous; returns [n, H, D]
+  // query [1, H, n, D], key and value [1, G, nk, D], bfloat16 or float32, the last dims contiguous; returns [n, H, D]
   check_shapes(query, key, value);
-  TORCH_CHECK(has_causal() && query.scalar_type() == at::kBFloat16 && (query.size(3) == 64 || query.size(3) == 128),
-              "the causal kernel takes bfloat16 heads of 64 or 128 on a CPU with AVX512-BF16");
+  TORCH_CHECK(query.size(3) == 64 || query.size(3) == 128, "the causal kernel takes heads of 64 or 128");
   TORCH_CHECK(query.size(0) == 1 && key.size(2) >= query.size(2), "one row, at least as many keys as queries");
   auto out = at::empty({query.size(2), query.size(1), query.size(3)}, query.options());
+  if (query.scalar_type() == at::kFloat) {
+    TORCH_CHECK(has_causal_float(), "the float32 causal kernel needs a CPU with AVX-512");
+#ifdef BATCHSPEC_AVX512
+    if (query.size(3) == 64) causal_all_float<64>(query, key, value, scale, out);
+    else causal_all_float<128>(query, key, value, scale, out);
+#endif
+    return out;
+  }
+  TORCH_CHECK(has_causal() && query.scalar_type() == at::kBFloat16,
+              "the causal kernel takes bfloat16 on a CPU with AVX512-BF16, or float32");
 #ifdef BATCHSPEC_AVX512BF16
   if (query.size(3) == 64) causal_all<32>(query, key, value, scale, out);
   else causal_all<64>(query, key, value, scale, out);
@@ -555,6 +705,7 @@ TORCH_LIBRARY(batchspec, m) {
   m.def("attend(Tensor query, Tensor key, Tensor value, Tensor mask, float scale) -> Tensor");
   m.def("causal(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
   m.def("has_causal() -> bool", &has_causal);
+  m.def("has_causal_float() -> bool", &has_causal_float);
 }
 
 TORCH_LIBRARY_IMPL(batchspec, CPU, m) {

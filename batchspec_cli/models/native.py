@@ -10,7 +10,8 @@ It also keeps a row's output independent of the rows and padding beside it, and 
 what a one-token step at its position would. Where the CPU has AVX512-BF16, a bfloat16 prefill's causal attention
 runs batchspec's own kernel too (``causal``): bfloat16 pairs dotted into float32 by the CPU's dot-product
 instruction, tiles of key columns with a running softmax, the probabilities rounded to bfloat16 for the product with
-the values (as SDPA's CPU flash kernel does, which runs far below this core's bfloat16 speed).
+the values (as SDPA's CPU flash kernel does, which runs far below this core's bfloat16 speed). Where it has AVX-512,
+a float32 prefill's the same in float32 (SDPA's flash kernel ran it at a third of the core's float32 products).
 
 No kept library ships such a kernel for this PyTorch (vLLM's and IPEX's pin their own), so it is built here
 with PyTorch's own extension builder (a C++ compiler and ninja; ``-march=native``) into the tool's cache
@@ -55,8 +56,12 @@ class Built:
     def __init__(self, module=None, error: str | None = None, seconds: float = 0.0, built_now: bool = False,
                  key: str = ""):
         self.attend = module.attend if module is not None else None  # short queries, float32 and bfloat16
-        # a bfloat16 row's causal prefill, where the CPU has AVX512-BF16 (the build's -march=native)
-        self.causal = module.causal if module is not None and module.has_causal() else None
+        # a row's causal prefill: bfloat16 where the CPU has AVX512-BF16, float32 where it has AVX-512 (the build's
+        # -march=native)
+        self.causal_dtypes = tuple(dtype for dtype, built in (
+            (torch.bfloat16, module is not None and module.has_causal()),
+            (torch.float32, module is not None and module.has_causal_float())) if built)
+        self.causal = module.causal if self.causal_dtypes else None
         self.ops = module  # every operator, the layers' elementwise ones too (``layers``)
         # the bfloat16 linear kernel, where the CPU has AVX512-BF16 (kernels.use_native runs it)
         self.linear = module is not None and module.has_linear()
@@ -278,12 +283,13 @@ def _last_dim_dense(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def causal(kernel, query, key, value, scaling: float) -> torch.Tensor | None:
-    """``kernel`` (``Built.causal``) on one row's prefill (query ``[1, H, n, D]``, key and value ``[1, KV, m, D]``,
-    m >= n, query i seeing keys up to m - n + i); returns ``[n, H, D]``, or None where it does not apply (another
-    dtype or head dim: the caller runs SDPA)."""
+def causal(built, query, key, value, scaling: float) -> torch.Tensor | None:
+    """``built``'s causal kernel (``Built.causal``) on one row's prefill (query ``[1, H, n, D]``, key and value
+    ``[1, KV, m, D]``, m >= n, query i seeing keys up to m - n + i); returns ``[n, H, D]``, or None where it does not
+    apply (no build, a dtype it was not built for, another head dim: the caller runs SDPA)."""
     dim = query.shape[-1]
-    if kernel is None or query.dtype != torch.bfloat16 or dim not in (64, 128) or query.shape[0] != 1 \
+    kernel = getattr(built, "causal", None)
+    if kernel is None or query.dtype not in built.causal_dtypes or dim not in (64, 128) or query.shape[0] != 1 \
             or key.dtype != query.dtype or value.dtype != query.dtype or query.shape[1] % key.shape[1] \
             or key.shape[-1] != dim or value.shape[-1] != dim or key.shape[2] < query.shape[2]:
         return None
