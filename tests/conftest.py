@@ -160,6 +160,23 @@ def tamper_token(out: Path, row: int, position: int, shift: int) -> None:
     pq.write_table(tampered.replace_schema_metadata(table.schema.metadata), out)
 
 
+def assert_rows_independent(ops, weight: torch.Tensor, x: torch.Tensor) -> None:
+    """batchspec's linear kernel (``ops``: its build) on ``x`` [37, k]: each row's outputs the same bits whatever rows
+    run beside it (1-13 of them, at any offset) and under 2 threads."""
+    packed = ops.pack_linear(weight)
+    n = weight.shape[0]
+    together = ops.linear(x, packed, n)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(ops.linear(x, packed, n), together)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (1, 2, 5, 6, 7, 13):
+        for start in (0, 3, x.shape[0] - rows):
+            assert torch.equal(ops.linear(x[start : start + rows], packed, n), together[start : start + rows])
+
+
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
     """Per-prompt greedy decoding (batch 1, no padding, DynamicCache).
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from batchspec_cli.models import kernels, layers, native, widths
-from conftest import make_tiny_llama
+from conftest import assert_rows_independent, make_tiny_llama
 
 BUILT = native.load()
 pytestmark = pytest.mark.skipif(not BUILT.linear, reason="the linear kernel needs AVX512-BF16 and a build: "
@@ -48,18 +48,7 @@ def test_the_product_is_the_float64_product_rounded_to_bfloat16(out_features, in
 
 
 def test_a_rows_outputs_do_not_depend_on_the_rows_or_threads_beside_it():
-    weight, x = random((200, 576), 3, 0.05), random((37, 576), 4)
-    packed = OPS.pack_linear(weight)
-    together = OPS.linear(x, packed, 200)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert torch.equal(OPS.linear(x, packed, 200), together)
-    finally:
-        torch.set_num_threads(threads)
-    for rows in (1, 2, 5, 6, 7, 13):
-        for start in (0, 3, 37 - rows):
-            assert torch.equal(OPS.linear(x[start : start + rows], packed, 200), together[start : start + rows])
+    assert_rows_independent(OPS, random((200, 576), 3, 0.05), random((37, 576), 4))
 
 
 def test_every_shape_a_forward_passes():

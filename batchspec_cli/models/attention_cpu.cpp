@@ -246,6 +246,33 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
 }
 #endif
 
+#ifdef BATCHSPEC_AVX512
+// A causal tile's scores of one query row, in place: scaled, its columns from `allowed` on masked (-inf); the row's
+// running max `m` taken over them too. Returns the factor for the sums before this tile (0 for the first).
+inline float scale_row(float* row, int64_t width, int64_t allowed, float scale, float& m) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512 top = _mm512_set1_ps(NEG_INF);
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t left = allowed - j;
+    const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+    const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), in, _mm512_loadu_ps(row + j), sc);
+    _mm512_storeu_ps(row + j, x);
+    top = _mm512_max_ps(top, x);
+  }
+  const float now = std::max(m, _mm512_reduce_max_ps(top));
+  const float alpha = m == NEG_INF ? 0.f : std::exp(m - now);
+  m = now;
+  return alpha;
+}
+
+// A row's value sums so far (`vectors` x 16 floats) times `alpha`, as a tile with a higher max asks.
+inline void rescale(float* o, int vectors, float alpha) {
+  if (alpha == 1.f) return;
+  const __m512 av = _mm512_set1_ps(alpha);
+  for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(av, _mm512_loadu_ps(o + c * 16)));
+}
+#endif
+
 #ifdef BATCHSPEC_AVX512BF16
 inline uint16_t bf16_bits(float f) {  // round to nearest even, as c10 does
   return c10::BFloat16(f).x;
@@ -301,21 +328,8 @@ void causal_block(const uint16_t* q, int64_t qs_i, int64_t i0, int64_t rows, con
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* row = &s[r * T];
-      const int64_t allowed = std::min(width, shift + i0 + r + 1 - t0);  // columns of the tile it sees
-      const __m512 sc = _mm512_set1_ps(scale);
-      __m512 top = _mm512_set1_ps(NEG_INF);
-      for (int64_t j = 0; j < width; j += 16) {
-        const int64_t left = allowed - j;
-        const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0)
-                                                                       : __mmask16((1u << left) - 1);
-        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), in, _mm512_loadu_ps(row + j), sc);
-        _mm512_storeu_ps(row + j, x);
-        top = _mm512_max_ps(top, x);
-      }
-      const float now = std::max(m[r], _mm512_reduce_max_ps(top));
-      const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - now);
-      m[r] = now;
-      const __m512 shiftv = _mm512_set1_ps(now);
+      const float alpha = scale_row(row, width, std::min(width, shift + i0 + r + 1 - t0), scale, m[r]);
+      const __m512 shiftv = _mm512_set1_ps(m[r]);
       __m512 sum = _mm512_setzero_ps();
       uint32_t* pr = &pp[r * (T / 2)];
       for (int64_t j = 0; j < width; j += 32) {
@@ -325,11 +339,7 @@ void causal_block(const uint16_t* q, int64_t qs_i, int64_t i0, int64_t rows, con
         _mm512_storeu_si512(pr + j / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // 16 pairs, in order
       }
       l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      if (alpha != 1.f) {
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(&o[r * D + c * 16], _mm512_mul_ps(av, _mm512_loadu_ps(&o[r * D + c * 16])));
-      }
+      rescale(&o[r * D], NC, alpha);
     }
     // every row of the block, in groups the registers hold (rows past ``rows`` too, harmlessly: a loop bound the
     // compiler knows keeps the accumulators in registers, which a bound known only at run time did not)
@@ -432,21 +442,8 @@ void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, 
     const int64_t live = std::min(width, nk - t0);  // the tile's columns that exist (the values read)
     for (int64_t r = 0; r < rows; ++r) {
       float* row = &s[r * TF];
-      const int64_t allowed = std::min(width, shift + i0 + r + 1 - t0);  // columns of the tile it sees
-      const __m512 sc = _mm512_set1_ps(scale);
-      __m512 top = _mm512_set1_ps(NEG_INF);
-      for (int64_t j = 0; j < width; j += 16) {
-        const int64_t left = allowed - j;
-        const __mmask16 in = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0)
-                                                                       : __mmask16((1u << left) - 1);
-        const __m512 x = _mm512_mask_mul_ps(_mm512_set1_ps(NEG_INF), in, _mm512_loadu_ps(row + j), sc);
-        _mm512_storeu_ps(row + j, x);
-        top = _mm512_max_ps(top, x);
-      }
-      const float now = std::max(m[r], _mm512_reduce_max_ps(top));
-      const float alpha = m[r] == NEG_INF ? 0.f : std::exp(m[r] - now);
-      m[r] = now;
-      const __m512 shiftv = _mm512_set1_ps(now);
+      const float alpha = scale_row(row, width, std::min(width, shift + i0 + r + 1 - t0), scale, m[r]);
+      const __m512 shiftv = _mm512_set1_ps(m[r]);
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < width; j += 16) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shiftv));
@@ -454,11 +451,7 @@ void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, 
         _mm512_storeu_ps(row + j, e);
       }
       l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      if (alpha != 1.f) {
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(&o[r * D + c * 16], _mm512_mul_ps(av, _mm512_loadu_ps(&o[r * D + c * 16])));
-      }
+      rescale(&o[r * D], NC, alpha);
     }
     // every row of the block, in groups the registers hold (rows past ``rows`` too, harmlessly)
     constexpr int RG = NC <= 4 ? 4 : 2;

@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include "native_cpu.h"
 
 namespace {
@@ -52,6 +53,21 @@ bool has_linear_float() {
 #else
   return false;
 #endif
+}
+
+// m rows in tiles of ROWS, then one tile of the rest: tile(std::integral_constant<int, R>, first row) for each
+template <typename Tile>
+inline void by_tiles(int64_t m, Tile tile) {
+  int64_t r = 0;
+  for (; r + ROWS <= m; r += ROWS) tile(std::integral_constant<int, ROWS>{}, r);
+  switch (m - r) {
+    case 5: tile(std::integral_constant<int, 5>{}, r); break;
+    case 4: tile(std::integral_constant<int, 4>{}, r); break;
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
 }
 
 // float32: weight [n, k] -> [ceil(n / 64), k, 64] (outputs past n are zeros)
@@ -129,18 +145,9 @@ inline void tile(const int32_t* x, int64_t pairs, const c10::BFloat16* panel, Ou
 template <typename Out>
 void rows_by_panel(const int32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panel, Out* y, int64_t stride,
                    int64_t cols) {
-  int64_t r = 0;
-  for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x + r * pairs, pairs, panel, y + r * stride, stride, cols);
-  const int32_t* xr = x + r * pairs;
-  Out* yr = y + r * stride;
-  switch (m - r) {
-    case 5: tile<5>(xr, pairs, panel, yr, stride, cols); break;
-    case 4: tile<4>(xr, pairs, panel, yr, stride, cols); break;
-    case 3: tile<3>(xr, pairs, panel, yr, stride, cols); break;
-    case 2: tile<2>(xr, pairs, panel, yr, stride, cols); break;
-    case 1: tile<1>(xr, pairs, panel, yr, stride, cols); break;
-    default: break;
-  }
+  by_tiles(m, [&](auto rows, int64_t r) {
+    tile<decltype(rows)::value>(x + r * pairs, pairs, panel, y + r * stride, stride, cols);
+  });
 }
 #endif
 
@@ -180,18 +187,9 @@ inline void tile_float(const float* x, int64_t k, const float* panel, float* y, 
 
 void rows_by_panel_float(const float* x, int64_t m, int64_t k, const float* panel, float* y, int64_t stride,
                          int64_t cols) {
-  int64_t r = 0;
-  for (; r + ROWS <= m; r += ROWS) tile_float<ROWS>(x + r * k, k, panel, y + r * stride, stride, cols);
-  const float* xr = x + r * k;
-  float* yr = y + r * stride;
-  switch (m - r) {
-    case 5: tile_float<5>(xr, k, panel, yr, stride, cols); break;
-    case 4: tile_float<4>(xr, k, panel, yr, stride, cols); break;
-    case 3: tile_float<3>(xr, k, panel, yr, stride, cols); break;
-    case 2: tile_float<2>(xr, k, panel, yr, stride, cols); break;
-    case 1: tile_float<1>(xr, k, panel, yr, stride, cols); break;
-    default: break;
-  }
+  by_tiles(m, [&](auto rows, int64_t r) {
+    tile_float<decltype(rows)::value>(x + r * k, k, panel, y + r * stride, stride, cols);
+  });
 }
 #endif
 
