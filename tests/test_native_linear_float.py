@@ -99,6 +99,9 @@ def test_a_packed_layer_runs_the_kernel_over_its_span_and_the_kernels_it_had_out
     assert layer.native is None and torch.equal(layer(x), onednn)
     kernels.use_native([layer], OPS, 8)  # built for bfloat16 only: a float32 layer keeps its kernels
     assert layer.native is None
+    kernels.use_native([layer], OPS, kernels.EVERY_ROWS, (torch.float32,))
+    moved = layer.to(torch.float64)  # a model moved to another dtype: the kernel's copy stays behind, unused
+    assert torch.equal(moved(x.double()), nn.functional.linear(x.double(), moved.weight))
 
 
 def tiny_float():

@@ -117,7 +117,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = x.numel()
-        if self.native_first <= size <= self.native_last and x.dtype == self.weight.dtype:
+        if self.native_first <= size <= self.native_last and x.dtype == self.native.dtype:  # not a model moved since
             return self.native_ops.linear(x, self.native, self.out_features)
         if self.packed is None or not self.first <= size <= self.last:
             return F.linear(x, self.weight, self.bias)
