@@ -177,6 +177,29 @@ def assert_rows_independent(ops, weight: torch.Tensor, x: torch.Tensor) -> None:
             assert torch.equal(ops.linear(x[start : start + rows], packed, n), together[start : start + rows])
 
 
+def logits_on_native_kernel(model, ids: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tiny Llama's logits on ``ids`` [B, T]: (with the stock modules, with batchspec's kernels attached and its
+    linear kernel on inputs of up to ``rows`` rows, the same one row at a time). Checks that every linear, the fused
+    layers' joint ones among them, ran on the kernel, and that detaching gives every packed layer back to oneDNN."""
+    from batchspec_cli.models import kernels, layers, native
+
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+        kernels.prepack(model)
+        native.attach(model)
+        native.use_native_rows(model, rows)
+        linears = native.packed_linears(model)
+        fused = model.model.layers[0].__dict__[layers.ATTRIBUTE]
+        assert fused.qkv in linears and fused.gate_up in linears
+        assert all(layer.native is not None for layer in linears)
+        together = model(input_ids=ids).logits
+        alone = torch.cat([model(input_ids=ids[i : i + 1]).logits for i in range(ids.shape[0])])
+    native.detach(model)
+    assert all(layer.native is None and layer.packed is not None
+               for layer in model.modules() if isinstance(layer, kernels.PackedLinear))
+    return stock, together, alone
+
+
 def greedy_reference(model, prompt_ids: list[int], max_new_tokens: int, eos_ids: list[int]) -> list[int]:
     """Per-prompt greedy decoding (batch 1, no padding, DynamicCache).
 

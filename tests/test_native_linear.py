@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from batchspec_cli.models import kernels, layers, native, widths
-from conftest import assert_rows_independent, make_tiny_llama
+from batchspec_cli.models import kernels, native, widths
+from conftest import assert_rows_independent, logits_on_native_kernel, make_tiny_llama
 
 BUILT = native.load()
 pytestmark = pytest.mark.skipif(not BUILT.linear, reason="the linear kernel needs AVX512-BF16 and a build: "
@@ -123,24 +123,11 @@ def tiny_bf16():
 def test_a_model_on_the_kernel_computes_the_stock_models_logits_and_a_row_is_the_same_in_any_batch():
     model = tiny_bf16()
     ids = torch.randint(3, 300, (4, 13), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        stock = model(input_ids=ids).logits
-        kernels.prepack(model)
-        native.attach(model)
-        native.use_native_rows(model, kernels.MAX_ROWS_BF16)
-        linears = native.packed_linears(model)
-        fused = model.model.layers[0].__dict__[layers.ATTRIBUTE]
-        assert fused.qkv in linears and fused.gate_up in linears
-        assert all(layer.native is not None for layer in linears)
-        together = model(input_ids=ids).logits
-        alone = torch.cat([model(input_ids=ids[i : i + 1]).logits for i in range(4)])
+    stock, together, alone = logits_on_native_kernel(model, ids, kernels.MAX_ROWS_BF16)
     assert torch.equal(together, alone)
     scale = stock.abs().max().item()
     assert (together.float() - stock.float()).abs().max() <= 0.05 * scale
     assert (together.argmax(-1) == stock.argmax(-1)).float().mean() >= 0.9
-    native.detach(model)
-    assert all(layer.native is None and layer.packed is not None
-               for layer in model.modules() if isinstance(layer, kernels.PackedLinear))
 
 
 def test_the_job_measures_once_per_machine_and_model_and_remembers(tmp_path, monkeypatch):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from batchspec_cli.models import kernels, layers, native
-from conftest import assert_rows_independent, make_tiny_llama
+from batchspec_cli.models import kernels, native
+from conftest import assert_rows_independent, logits_on_native_kernel, make_tiny_llama
 
 BUILT = native.load()
 needs_kernel = pytest.mark.skipif(torch.float32 not in BUILT.linear_dtypes,
@@ -114,23 +114,10 @@ def test_a_float32_model_on_the_kernel_computes_the_stock_models_logits_and_a_ro
     ids = torch.randint(3, 300, (4, 13), generator=torch.Generator().manual_seed(1))
     # the kernel's layout is held beside oneDNN's where it takes only some sizes: --kernels auto counts both
     assert kernels.packable_bytes(model, (torch.float32,)) == 2 * kernels.packable_bytes(model) > 0
-    with torch.no_grad():
-        stock = model(input_ids=ids).logits
-        kernels.prepack(model)
-        native.attach(model)
-        native.use_native_rows(model, kernels.EVERY_ROWS)
-        linears = native.packed_linears(model)
-        fused = model.model.layers[0].__dict__[layers.ATTRIBUTE]
-        assert fused.qkv in linears and fused.gate_up in linears
-        assert all(layer.native is not None for layer in linears)
-        together = model(input_ids=ids).logits
-        alone = torch.cat([model(input_ids=ids[i : i + 1]).logits for i in range(4)])
+    stock, together, alone = logits_on_native_kernel(model, ids, kernels.EVERY_ROWS)
     assert torch.equal(together, alone)
     assert (together - stock).abs().max() <= 1e-4 * stock.abs().max()  # float32 rounding, not another model
     assert torch.equal(together.argmax(-1), stock.argmax(-1))
-    native.detach(model)
-    assert all(layer.native is None and layer.packed is not None
-               for layer in model.modules() if isinstance(layer, kernels.PackedLinear))
 
 
 @needs_kernel

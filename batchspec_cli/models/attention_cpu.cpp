@@ -247,6 +247,9 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
 #endif
 
 #ifdef BATCHSPEC_AVX512
+constexpr int QB = 16;  // query rows per block of a causal prefill
+constexpr int64_t T = 256;  // key columns per tile: the tile's K, V and scores stay in L1/L2
+
 // A causal tile's scores of one query row, in place: scaled, its columns from `allowed` on masked (-inf); the row's
 // running max `m` taken over them too. Returns the factor for the sums before this tile (0 for the first).
 inline float scale_row(float* row, int64_t width, int64_t allowed, float scale, float& m) {
@@ -277,9 +280,6 @@ inline void rescale(float* o, int vectors, float alpha) {
 inline uint16_t bf16_bits(float f) {  // round to nearest even, as c10 does
   return c10::BFloat16(f).x;
 }
-constexpr int QB = 16;  // query rows per block of a causal prefill
-constexpr int64_t T = 256;  // key columns per tile: the tile's K, V and scores stay in L1/L2
-
 // One (KV head): all its query heads' rows, causal from the bottom right (query i sees keys 0 .. shift + i).
 // K of one KV head as 16-column blocks of [pair][column] words, V as [column pair][d] words: what vdpbf16ps takes.
 template <int NP>
@@ -399,49 +399,47 @@ void causal_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 #endif
 
 #ifdef BATCHSPEC_AVX512
-constexpr int QBF = 16;  // float32: query rows per block of a causal prefill
-constexpr int64_t TF = 256;  // float32: key columns per tile
 constexpr int SUM_BLOCK = 16;  // float32: terms (dims of a score, columns of the values) summed apart, then added
 
 // float32: K of one KV head as 16-column blocks of [d][column] (columns past nk are zeros)
 template <int D>
-void pack_k_float(const float* k, int64_t ks, int64_t nk, int64_t nk16, float* kp) {
+void pack_k_float(const float* k, int64_t ks, int64_t nk, float* kp) {
   for (int64_t j = 0; j < nk; ++j)
     for (int d = 0; d < D; ++d) kp[(j / 16) * (D * 16) + d * 16 + j % 16] = k[j * ks + d];
 }
 
-// One block of QBF query rows of one head in float32, causal from the bottom right (query i sees keys 0 .. shift + i),
-// over tiles of TF key columns with a running max and sum; the values read in place (row j at v + j * vs).
+// One block of QB query rows of one head in float32, causal from the bottom right (query i sees keys 0 .. shift + i),
+// over tiles of T key columns with a running max and sum; the values read in place (row j at v + j * vs).
 template <int D>
 void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, const float* kp, const float* v,
                         int64_t vs, int64_t nk, int64_t shift, float scale, float* out, int64_t os_i, float* s,
                         float* o) {
   constexpr int NC = D / 16;
-  float m[QBF], l[QBF];
+  float m[QB], l[QB];
   const int64_t kmax = std::min(nk, shift + i0 + rows);  // columns any row of the block sees
-  const float* qr[QBF];
-  for (int r = 0; r < QBF; ++r) qr[r] = q + (i0 + std::min<int64_t>(r, rows - 1)) * qs_i;
-  std::fill(o, o + QBF * D, 0.f);
-  std::fill(m, m + QBF, NEG_INF);
-  std::fill(l, l + QBF, 0.f);
-  for (int64_t t0 = 0; t0 < kmax; t0 += TF) {
-    const int64_t width = std::min(TF, (kmax - t0 + 15) / 16 * 16);  // whole 16-column blocks of the packed K
+  const float* qr[QB];
+  for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + std::min<int64_t>(r, rows - 1)) * qs_i;
+  std::fill(o, o + QB * D, 0.f);
+  std::fill(m, m + QB, NEG_INF);
+  std::fill(l, l + QB, 0.f);
+  for (int64_t t0 = 0; t0 < kmax; t0 += T) {
+    const int64_t width = std::min(T, (kmax - t0 + 15) / 16 * 16);  // whole 16-column blocks of the packed K
     for (int64_t c0 = 0; c0 < width; c0 += 16) {
       const float* kc = &kp[((t0 + c0) / 16) * (D * 16)];
       for (int d0 = 0; d0 < D; d0 += SUM_BLOCK) {  // each block of dims summed apart, then added in order
-        __m512 acc[QBF];
-        for (int r = 0; r < QBF; ++r) acc[r] = _mm512_setzero_ps();
+        __m512 acc[QB];
+        for (int r = 0; r < QB; ++r) acc[r] = _mm512_setzero_ps();
         for (int d = d0; d < d0 + SUM_BLOCK; ++d) {
           const __m512 kv = _mm512_loadu_ps(kc + d * 16);
-          for (int r = 0; r < QBF; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), kv, acc[r]);
+          for (int r = 0; r < QB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), kv, acc[r]);
         }
-        for (int r = 0; r < QBF; ++r)
-          _mm512_storeu_ps(&s[r * TF + c0], d0 ? _mm512_add_ps(_mm512_loadu_ps(&s[r * TF + c0]), acc[r]) : acc[r]);
+        for (int r = 0; r < QB; ++r)
+          _mm512_storeu_ps(&s[r * T + c0], d0 ? _mm512_add_ps(_mm512_loadu_ps(&s[r * T + c0]), acc[r]) : acc[r]);
       }
     }
     const int64_t live = std::min(width, nk - t0);  // the tile's columns that exist (the values read)
     for (int64_t r = 0; r < rows; ++r) {
-      float* row = &s[r * TF];
+      float* row = &s[r * T];
       const float alpha = scale_row(row, width, std::min(width, shift + i0 + r + 1 - t0), scale, m[r]);
       const __m512 shiftv = _mm512_set1_ps(m[r]);
       __m512 sum = _mm512_setzero_ps();
@@ -455,8 +453,8 @@ void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, 
     }
     // every row of the block, in groups the registers hold (rows past ``rows`` too, harmlessly)
     constexpr int RG = NC <= 4 ? 4 : 2;
-    static_assert(QBF % RG == 0, "whole groups");
-    for (int r0 = 0; r0 < QBF; r0 += RG) {
+    static_assert(QB % RG == 0, "whole groups");
+    for (int r0 = 0; r0 < QB; r0 += RG) {
       for (int64_t b0 = 0; b0 < live; b0 += SUM_BLOCK) {  // each block of columns summed apart, then added in order
         __m512 part[RG][NC];
         for (int g = 0; g < RG; ++g)
@@ -466,7 +464,7 @@ void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, 
           __m512 vv[NC];
           for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(vt + c * 16);
           for (int g = 0; g < RG; ++g) {
-            const __m512 pv = _mm512_set1_ps(s[(r0 + g) * TF + t]);
+            const __m512 pv = _mm512_set1_ps(s[(r0 + g) * T + t]);
             for (int c = 0; c < NC; ++c) part[g][c] = _mm512_fmadd_ps(pv, vv[c], part[g][c]);
           }
         }
@@ -489,7 +487,7 @@ template <int D>
 void causal_all_float(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                       at::Tensor& out) {
   const int64_t H = query.size(1), n = query.size(2), G = key.size(1), nk = key.size(2);
-  const int64_t rep = H / G, shift = nk - n, nk16 = (nk + 15) / 16 * 16, blocks = (n + QBF - 1) / QBF;
+  const int64_t rep = H / G, shift = nk - n, nk16 = (nk + 15) / 16 * 16, blocks = (n + QB - 1) / QB;
   const auto qs = query.strides(), ks = key.strides(), vs = value.strides();
   const float* qp = query.data_ptr<float>();
   const float* kb = key.data_ptr<float>();
@@ -497,13 +495,13 @@ void causal_all_float(const at::Tensor& query, const at::Tensor& key, const at::
   float* op = out.data_ptr<float>();
   std::vector<float> kp(G * D * nk16, 0.f);
   at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) pack_k_float<D>(kb + g * ks[1], ks[2], nk, nk16, &kp[g * D * nk16]);
+    for (int64_t g = b; g < e; ++g) pack_k_float<D>(kb + g * ks[1], ks[2], nk, &kp[g * D * nk16]);
   });
   at::parallel_for(0, H * blocks, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(QBF * TF), o(QBF * D);
+    std::vector<float> s(QB * T), o(QB * D);
     for (int64_t item = b; item < e; ++item) {
-      const int64_t h = item / blocks, i0 = (item % blocks) * QBF, g = h / rep;
-      causal_block_float<D>(qp + h * qs[1], qs[2], i0, std::min<int64_t>(QBF, n - i0), &kp[g * D * nk16],
+      const int64_t h = item / blocks, i0 = (item % blocks) * QB, g = h / rep;
+      causal_block_float<D>(qp + h * qs[1], qs[2], i0, std::min<int64_t>(QB, n - i0), &kp[g * D * nk16],
                             vb + g * vs[1], vs[2], nk, shift, static_cast<float>(scale), op + h * D, H * D, s.data(),
                             o.data());
     }

@@ -70,48 +70,38 @@ inline void by_tiles(int64_t m, Tile tile) {
   }
 }
 
-// float32: weight [n, k] -> [ceil(n / 64), k, 64] (outputs past n are zeros)
-at::Tensor pack_linear_float(const at::Tensor& weight) {
-  TORCH_CHECK(has_linear_float(), "the float32 linear kernel needs a CPU with AVX-512");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + COLS - 1) / COLS;
-  const at::Tensor dense = weight.contiguous();
-  at::Tensor out = at::zeros({panels, k, COLS}, weight.options());
-  const float* src = dense.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
+// A weight's rows of `words` words (a float32 weight: k floats; a bfloat16 one: k / 2 pairs) laid out in panels of 64
+// outputs: [panels, words, 64], a word's 64 outputs side by side (outputs past n are zeros)
+template <typename W>
+at::Tensor panels_of(const W* src, int64_t n, int64_t words, at::Tensor out) {
+  W* dst = reinterpret_cast<W*>(out.data_ptr());
+  at::parallel_for(0, out.size(0), 1, [&](int64_t first, int64_t last) {
     for (int64_t p = first; p < last; ++p)
       for (int64_t c = 0; c < COLS && p * COLS + c < n; ++c) {
-        const float* row = src + (p * COLS + c) * k;
-        float* to = dst + p * k * COLS + c;
-        for (int64_t j = 0; j < k; ++j) to[j * COLS] = row[j];
+        const W* row = src + (p * COLS + c) * words;
+        W* to = dst + p * words * COLS + c;
+        for (int64_t j = 0; j < words; ++j) to[j * COLS] = row[j];
       }
   });
   return out;
 }
 
-// weight [n, k] -> [ceil(n / 64), k / 2, 64, 2]: for each panel and k-pair, the 64 outputs' pairs side by side
-// (outputs past n are zeros)
+// weight [n, k] -> bfloat16: [ceil(n / 64), k / 2, 64, 2], for each panel and k-pair the 64 outputs' pairs side by
+// side; float32: [ceil(n / 64), k, 64]
 at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
                   weight.device().is_cpu(),
               "pack_linear takes a 2-D bfloat16 or float32 CPU weight");
-  if (weight.scalar_type() == at::kFloat) return pack_linear_float(weight);
-  TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
-  TORCH_CHECK(weight.size(1) % 2 == 0, "pack_linear takes an even number of input features");
-  const int64_t n = weight.size(0), pairs = weight.size(1) / 2, panels = (n + COLS - 1) / COLS;
+  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + COLS - 1) / COLS;
   const at::Tensor dense = weight.contiguous();
-  at::Tensor out = at::zeros({panels, pairs, COLS, 2}, weight.options());
-  const auto* src = reinterpret_cast<const int32_t*>(dense.data_ptr<c10::BFloat16>());  // a k-pair as one word
-  auto* dst = reinterpret_cast<int32_t*>(out.data_ptr<c10::BFloat16>());
-  at::parallel_for(0, panels, 1, [&](int64_t first, int64_t last) {
-    for (int64_t p = first; p < last; ++p)
-      for (int64_t c = 0; c < COLS && p * COLS + c < n; ++c) {
-        const int32_t* row = src + (p * COLS + c) * pairs;
-        int32_t* to = dst + p * pairs * COLS + c;
-        for (int64_t j = 0; j < pairs; ++j) to[j * COLS] = row[j];
-      }
-  });
-  return out;
+  if (weight.scalar_type() == at::kFloat) {
+    TORCH_CHECK(has_linear_float(), "the float32 linear kernel needs a CPU with AVX-512");
+    return panels_of(dense.data_ptr<float>(), n, k, at::zeros({panels, k, COLS}, weight.options()));
+  }
+  TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
+  TORCH_CHECK(k % 2 == 0, "pack_linear takes an even number of input features");
+  return panels_of(reinterpret_cast<const int32_t*>(dense.data_ptr<c10::BFloat16>()), n, k / 2,  // a pair: a word
+                   at::zeros({panels, k / 2, COLS, 2}, weight.options()));
 }
 
 #ifdef BATCHSPEC_AVX512BF16
