@@ -54,6 +54,7 @@ def test_logits_match_the_stock_model(min_rows, batch, length):
     assert torch.allclose(got, expected, rtol=0, atol=1e-5), float((got - expected).abs().max())
 
 
+@pytest.mark.skipif(not kernels.packs(torch.bfloat16), reason="oneDNN packs no bfloat16 weight on this CPU")
 @pytest.mark.parametrize("rows", [1, 3, 8, 40, kernels.MAX_ROWS_BF16 + 1])
 @torch.no_grad()
 def test_bfloat16_layers_pack_and_round_as_the_stock_bfloat16_product(rows):
@@ -71,6 +72,27 @@ def test_bfloat16_layers_pack_and_round_as_the_stock_bfloat16_product(rows):
     model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.bfloat16)
     assert kernels.packed_layers(kernels.prepack(model)) == sum(
         isinstance(m, torch.nn.Linear) for m in model.modules()) > 0
+
+
+def test_whether_bfloat16_packs_is_what_torch_reports_for_this_cpu():
+    """oneDNN's bfloat16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only CPU it refuses."""
+    if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported"):
+        assert kernels.packs(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert kernels.packs(torch.float32)
+
+
+@torch.no_grad()
+def test_where_onednn_refuses_bfloat16_its_layers_keep_the_stock_product(monkeypatch):
+    """A bfloat16 model on a CPU whose oneDNN packs no bfloat16 (``packs`` says so): prepack leaves its layers plain,
+    counts no memory for them, and the logits are the stock model's bit for bit (before: the reorder's error ended
+    the job)."""
+    monkeypatch.setattr(kernels, "packs", lambda dtype: dtype != torch.bfloat16)
+    model = make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.bfloat16)
+    stock = copy.deepcopy(model)
+    assert kernels.packable_bytes(model) == 0
+    assert kernels.packed_layers(kernels.prepack(model)) == 0
+    ids = torch.randint(4, TINY_VOCAB_SIZE, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(input_ids=ids).logits, stock(input_ids=ids).logits)
 
 
 def test_deepcopy_of_a_packed_model_is_packed_and_equal():
@@ -170,7 +192,7 @@ def test_memory_does_not_grow_with_the_number_of_input_sizes():
 
 
 _MANY_SHAPES = """
-import sys, torch
+import os, sys, torch
 sys.path.insert(0, {tests!r})
 from conftest import malloc_in_use
 from batchspec_cli.models import kernels
@@ -183,7 +205,8 @@ class Loaded:  # what use_kernels reads of a loaded model
 layers = torch.nn.Sequential(*[torch.nn.Linear(16, 8 * (i + 1)) for i in range(10)]).requires_grad_(False)
 if {bounded}:
     assert use_kernels("packed", Loaded(layers)) == ("packed", [])
-else:
+else:  # oneDNN's own caps (the user's setting is kept)
+    os.environ.update(dict.fromkeys(kernels.CACHE_VARIABLES, "1024"))
     kernels.prepack(layers)
 before = malloc_in_use()
 with torch.no_grad():
@@ -236,12 +259,13 @@ def test_measured_packed_rows_time_both_kernels_and_apply_to_every_dtype():
     assert set(timings) == {"stock", "packed"} and all(set(t) == {1, 2, 4} and min(t.values()) > 0
                                                         for t in timings.values())
     assert kernels.measure_min_rows(tiny()) == (1, {})  # nothing packed: nothing to time
-    bf16 = kernels.prepack(make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=torch.bfloat16))
-    kernels.set_min_rows(bf16, 3)
-    layers = [m for m in bf16.modules() if isinstance(m, kernels.PackedLinear)]
-    assert layers and all(m.min_rows == 3 and m.first == 3 * m.in_features for m in layers)
-    with pytest.raises(ValueError):
-        kernels.set_min_rows(bf16, 0)
+    for dtype in (torch.float32, torch.bfloat16) if kernels.packs(torch.bfloat16) else (torch.float32,):
+        model = kernels.prepack(make_tiny_llama(TINY_VOCAB_SIZE, seed=0, dtype=dtype))
+        kernels.set_min_rows(model, 3)
+        layers = [m for m in model.modules() if isinstance(m, kernels.PackedLinear)]
+        assert layers and all(m.min_rows == 3 and m.first == 3 * m.in_features for m in layers)
+        with pytest.raises(ValueError):
+            kernels.set_min_rows(model, 0)
 
 
 def test_auto_kernels_run_packed_from_the_rows_measured_once_per_machine_and_model(monkeypatch, tmp_path):

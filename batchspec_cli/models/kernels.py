@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -410,10 +411,25 @@ def keep_freed_memory() -> bool:
     return _heap_kept
 
 
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a weight of ``dtype`` on this CPU: its bfloat16 reorder refuses a CPU without AVX-512 or
+    AVX-NE-CONVERT (an AVX2-only CPU), where bfloat16 layers keep the stock product. Asked of oneDNN itself, once: the
+    process's first oneDNN operation, so the caches are capped first (``bound_caches``)."""
+    if not available():
+        return False
+    bound_caches()
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _packable(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and weight is not None and weight.device.type == "cpu"
-            and weight.dtype in PACKED_DTYPES and not weight.requires_grad)
+            and weight.dtype in PACKED_DTYPES and not weight.requires_grad and packs(weight.dtype))
 
 
 def prepack(model: nn.Module, min_rows: int = DEFAULT_MIN_ROWS) -> nn.Module:
