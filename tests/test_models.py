@@ -153,6 +153,17 @@ def test_quiet_load_is_silent_and_restores_logging(tiny_model_dir, capfd):
     assert (tf_logging.get_verbosity(), tf_logging.is_progress_bar_enabled()) == before
 
 
+def test_local_load_draws_no_weights_bar(tiny_model_dir, capfd):
+    """Not quiet: reading a local folder's weights draws no transformers bar (the CLI draws the job's), and the bars
+    are on again afterwards."""
+    tf_logging.enable_progress_bar()
+    capfd.readouterr()
+    load_model(str(tiny_model_dir), device="cpu")
+    _, err = capfd.readouterr()
+    assert "Loading weights" not in err and "it/s" not in err
+    assert tf_logging.is_progress_bar_enabled()
+
+
 def test_dir_without_config(tmp_path):
     make_tokenizer(tmp_path)
     with pytest.raises(ModelError, match="has no config.json"):

@@ -195,6 +195,21 @@ def _quiet(enabled: bool) -> Iterator[None]:
             hf_utils.enable_progress_bars()
 
 
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """Hide transformers' bar over reading weights from a local folder (under a second, at every run: the CLI draws
+    the job's own bar); a download's or a GGUF conversion's bars stay unless ``quiet``."""
+    import transformers.utils.logging as tf_logging
+
+    bars = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            tf_logging.enable_progress_bar()
+
+
 # --------------------------------------------------------------------------- spec resolution
 
 
@@ -426,7 +441,8 @@ def load_model(spec: str | None, dtype: str = "auto", device: str = "auto", quie
         dtype_reason = AUTO_MIXED if auto_mixed else dtype_reason
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+            with _no_loading_bar():
+                model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
         except Exception as exc:
             raise ModelError(f"cannot load model '{name}': {one_line(exc)}") from None
     check_embedding(name, model.get_input_embeddings().num_embeddings, tokenizer)
