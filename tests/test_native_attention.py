@@ -152,7 +152,7 @@ def test_the_causal_kernel_matches_float64_attention_as_closely_as_sdpa_does(dim
 
 
 needs_causal_float = pytest.mark.skipif(torch.float32 not in BUILT.causal_dtypes,
-                                        reason="the float32 causal kernel needs a CPU with AVX-512")
+                                        reason="the float32 causal kernel needs a CPU with AVX-512, or AVX2 and FMA")
 
 
 @needs_causal_float
@@ -181,7 +181,7 @@ def test_the_causal_kernel_leaves_what_it_does_not_take_to_sdpa():
     assert native.causal(BUILT, q[..., :40], q[:, :KV, :, :40], q[:, :KV, :, :40], 0.125) is None  # dim 40
     assert native.causal(None, q, q[:, :KV], q[:, :KV], 0.125) is None  # no kernel built
     for dtype in (torch.float32, torch.bfloat16):
-        if dtype not in BUILT.causal_dtypes:  # float32 without AVX-512, bfloat16 without AVX512-BF16
+        if dtype not in BUILT.causal_dtypes:  # float32 without AVX2, bfloat16 without AVX512-BF16
             x = q.to(dtype)
             assert native.causal(BUILT, x, x[:, :KV], x[:, :KV], 0.125) is None
 

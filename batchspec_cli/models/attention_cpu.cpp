@@ -13,7 +13,8 @@
 // key columns, the probabilities rounded to bfloat16 for the product with the values (as SDPA's CPU flash kernel).
 // In float32 on any CPU with AVX-512 the same tiles in float32 throughout: scores by fused multiply-adds over the head's
 // dims, the probabilities kept in float32 (SDPA's CPU flash kernel ran a float32 prefill at a third of this core's
-// float32 products).
+// float32 products); on a CPU with AVX2 and FMA but no AVX-512, the same tiles in 8-lane registers, each lane
+// computed as the AVX-512 build computes it.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,6 +32,9 @@ namespace {
 #ifdef BATCHSPEC_AVX512
 using batchspec::exp16;
 using batchspec::load16;
+#endif
+#ifdef BATCHSPEC_AVX2
+using batchspec::exp8;
 #endif
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
@@ -50,6 +54,48 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   uint32_t* out = reinterpret_cast<uint32_t*>(dst);
   for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
+
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
+// What attend_one does outside its vector loops, the same in both builds.
+
+// A query row's scores before its softmax: with no allowed column, equal weights (returns false: nothing more to
+// do); else the padding before its first allowed column zeroed, and its max in ``top``.
+inline bool start_softmax(float* row, int64_t L, int64_t& first, float& total, float& top) {
+  if (first == L) {
+    std::fill(row, row + L, 1.f);
+    first = 0;
+    total = static_cast<float>(L);
+    return false;
+  }
+  top = NEG_INF;
+  for (int64_t j = first; j < L; ++j) top = std::max(top, row[j]);
+  std::fill(row, row + std::min(first, L), 0.f);
+  return true;
+}
+
+// The build's loop over the values for RN rows that start together (one per build, below)
+template <int NC, int RN, typename T>
+void weigh_values(const float* s, int64_t L, int64_t from, const T* vb, int64_t vs, float* acc);
+
+// Rows r0 .. r0 + rn (rn <= RG) whose allowed columns start together (a decode step's, a verify's): their values
+// weighed in one loop, no per-row branches. False where they start apart.
+template <int NC, int RG, typename T>
+bool weigh_together(const float* s, int64_t L, const std::vector<int64_t>& first, int64_t r0, int64_t rn,
+                    const T* vb, int64_t vs, float* acc) {
+  if (!std::all_of(first.begin() + r0, first.begin() + r0 + rn, [&](int64_t f) { return f == first[r0]; }))
+    return false;
+  constexpr int D = NC * 16;
+  const float* sr = s + r0 * L;
+  float* ar = acc + r0 * D;
+  if (rn == 1) weigh_values<NC, 1>(sr, L, first[r0], vb, vs, ar);
+  else if (rn == 2) weigh_values<NC, 2>(sr, L, first[r0], vb, vs, ar);
+  else if constexpr (RG == 4) {
+    if (rn == 3) weigh_values<NC, 3>(sr, L, first[r0], vb, vs, ar);
+    else weigh_values<NC, 4>(sr, L, first[r0], vb, vs, ar);
+  }
+  return true;
+}
+#endif
 
 #ifdef BATCHSPEC_AVX512
 // The sums of 16 vectors' lanes, lane j the sum of a[j]'s: the tree of _mm512_reduce_add_ps for each (lanes i and
@@ -176,15 +222,8 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
   }
   for (int64_t r = 0; r < R; ++r) {
     float* row = s + r * L;
-    if (first[r] == L) {  // no allowed column: equal weights
-      std::fill(row, row + L, 1.f);
-      first[r] = 0;
-      total[r] = static_cast<float>(L);
-      continue;
-    }
-    float top = NEG_INF;
-    for (int64_t j = first[r]; j < L; ++j) top = std::max(top, row[j]);
-    std::fill(row, row + std::min(first[r], L), 0.f);
+    float top;
+    if (!start_softmax(row, L, first[r], total[r], top)) continue;
     // summed in lanes counted from the row's first allowed column, so the total does not depend on its padding
     __m512 sum = _mm512_setzero_ps();
     const __m512 shift = _mm512_set1_ps(top);
@@ -203,18 +242,7 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
   constexpr int RG = NC <= 4 ? 4 : 2;
   for (int64_t r0 = 0; r0 < R; r0 += RG) {
     const int64_t rn = std::min<int64_t>(RG, R - r0);
-    if (std::all_of(first.begin() + r0, first.begin() + r0 + rn, [&](int64_t f) { return f == first[r0]; })) {
-      // the rows start together (a decode step's, a verify's): one loop, no per-row branches
-      const float* sr = s + r0 * L;
-      float* ar = acc + r0 * D;
-      if (rn == 1) weigh_values<NC, 1>(sr, L, first[r0], vb, vs, ar);
-      else if (rn == 2) weigh_values<NC, 2>(sr, L, first[r0], vb, vs, ar);
-      else if constexpr (RG == 4) {
-        if (rn == 3) weigh_values<NC, 3>(sr, L, first[r0], vb, vs, ar);
-        else weigh_values<NC, 4>(sr, L, first[r0], vb, vs, ar);
-      }
-      continue;
-    }
+    if (weigh_together<NC, RG>(s, L, first, r0, rn, vb, vs, acc)) continue;
     __m512 a[RG][NC];
     for (int g = 0; g < RG; ++g)
       for (int c = 0; c < NC; ++c) a[g][c] = _mm512_setzero_ps();
@@ -246,9 +274,12 @@ void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb,
 }
 #endif
 
-#ifdef BATCHSPEC_AVX512
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
 constexpr int QB = 16;  // query rows per block of a causal prefill
 constexpr int64_t T = 256;  // key columns per tile: the tile's K, V and scores stay in L1/L2
+#endif
+
+#ifdef BATCHSPEC_AVX512
 
 // A causal tile's scores of one query row, in place: scaled, its columns from `allowed` on masked (-inf); the row's
 // running max `m` taken over them too. Returns the factor for the sums before this tile (0 for the first).
@@ -273,6 +304,46 @@ inline void rescale(float* o, int vectors, float alpha) {
   if (alpha == 1.f) return;
   const __m512 av = _mm512_set1_ps(alpha);
   for (int c = 0; c < vectors; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(av, _mm512_loadu_ps(o + c * 16)));
+}
+#endif
+
+#ifdef BATCHSPEC_AVX2
+// scale_row and rescale in 8 lanes, every lane as the AVX-512 ones compute it (``vectors`` counts 8 floats here)
+inline float scale_row(float* row, int64_t width, int64_t allowed, float scale, float& m) {
+  const __m256 sc = _mm256_set1_ps(scale), low = _mm256_set1_ps(NEG_INF);
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  __m256 top = low;
+  for (int64_t j = 0; j < width; j += 8) {
+    const __m256 in = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(std::clamp<int64_t>(allowed - j, 0, 8))),
+                                    _CMP_LT_OQ);
+    const __m256 x = _mm256_blendv_ps(low, _mm256_mul_ps(_mm256_loadu_ps(row + j), sc), in);
+    _mm256_storeu_ps(row + j, x);
+    top = _mm256_max_ps(top, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  const float now = std::max(m, *std::max_element(lanes, lanes + 8));
+  const float alpha = m == NEG_INF ? 0.f : std::exp(m - now);
+  m = now;
+  return alpha;
+}
+
+inline void rescale(float* o, int vectors, float alpha) {
+  if (alpha == 1.f) return;
+  const __m256 av = _mm256_set1_ps(alpha);
+  for (int c = 0; c < vectors; ++c) _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(av, _mm256_loadu_ps(o + c * 8)));
+}
+
+// Keeps two loaded vectors in registers: GCC would otherwise load them again for every multiply-add that reads them
+// (a memory operand each), and the loads, not the multiply-adds, would set the pace
+inline void in_register(__m256& a, __m256& b) { asm("" : "+x"(a), "+x"(b)); }
+
+// The sum of 16 lanes (lo: 0-7, hi: 8-15) in _mm512_reduce_add_ps's order: i + (i + 8), then + 4, + 2, + 1
+inline float reduce_add16(__m256 lo, __m256 hi) {
+  const __m256 eight = _mm256_add_ps(hi, lo);
+  const __m128 four = _mm_add_ps(_mm256_extractf128_ps(eight, 1), _mm256_castps256_ps128(eight));
+  const __m128 two = _mm_add_ps(four, _mm_shuffle_ps(four, four, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(two) + _mm_cvtss_f32(_mm_shuffle_ps(two, two, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 #endif
 
@@ -398,7 +469,7 @@ void causal_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
 }
 #endif
 
-#ifdef BATCHSPEC_AVX512
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
 constexpr int SUM_BLOCK = 16;  // float32: terms (dims of a score, columns of the values) summed apart, then added
 
 // float32: K of one KV head as 16-column blocks of [d][column] (columns past nk are zeros)
@@ -407,7 +478,9 @@ void pack_k_float(const float* k, int64_t ks, int64_t nk, float* kp) {
   for (int64_t j = 0; j < nk; ++j)
     for (int d = 0; d < D; ++d) kp[(j / 16) * (D * 16) + d * 16 + j % 16] = k[j * ks + d];
 }
+#endif
 
+#ifdef BATCHSPEC_AVX512
 // One block of QB query rows of one head in float32, causal from the bottom right (query i sees keys 0 .. shift + i),
 // over tiles of T key columns with a running max and sum; the values read in place (row j at v + j * vs).
 template <int D>
@@ -483,6 +556,99 @@ void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, 
   }
 }
 
+#endif
+
+#ifdef BATCHSPEC_AVX2
+// The same block in 8 lanes (AVX2): a score's lane, a value sum's lane, each running max and sum computed as the
+// AVX-512 block computes them, only grouped into fewer registers.
+template <int D>
+void causal_block_float(const float* q, int64_t qs_i, int64_t i0, int64_t rows, const float* kp, const float* v,
+                        int64_t vs, int64_t nk, int64_t shift, float scale, float* out, int64_t os_i, float* s,
+                        float* o) {
+  constexpr int NV = D / 8;  // 8-float vectors of a head row
+  constexpr int SR = 4;  // query rows scored at once, 16 columns each (8 accumulators)
+  constexpr int RG = 4, CG = 2;  // rows x vectors of a value sum held at once (8 accumulators)
+  static_assert(QB % SR == 0 && QB % RG == 0 && NV % CG == 0, "whole groups");
+  float m[QB], l[QB];
+  const int64_t kmax = std::min(nk, shift + i0 + rows);  // columns any row of the block sees
+  const float* qr[QB];
+  for (int r = 0; r < QB; ++r) qr[r] = q + (i0 + std::min<int64_t>(r, rows - 1)) * qs_i;
+  std::fill(o, o + QB * D, 0.f);
+  std::fill(m, m + QB, NEG_INF);
+  std::fill(l, l + QB, 0.f);
+  for (int64_t t0 = 0; t0 < kmax; t0 += T) {
+    const int64_t width = std::min(T, (kmax - t0 + 15) / 16 * 16);
+    for (int64_t c0 = 0; c0 < width; c0 += 16) {  // a packed block of 16 columns, as two halves
+      const float* kc = &kp[((t0 + c0) / 16) * (D * 16)];
+      for (int d0 = 0; d0 < D; d0 += SUM_BLOCK)
+        for (int r0 = 0; r0 < QB; r0 += SR) {
+          __m256 acc[SR][2];
+          for (int r = 0; r < SR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+          for (int d = d0; d < d0 + SUM_BLOCK; ++d) {
+            __m256 k0 = _mm256_loadu_ps(kc + d * 16), k1 = _mm256_loadu_ps(kc + d * 16 + 8);
+            in_register(k0, k1);
+            for (int r = 0; r < SR; ++r) {
+              const __m256 qv = _mm256_set1_ps(qr[r0 + r][d]);
+              acc[r][0] = _mm256_fmadd_ps(qv, k0, acc[r][0]);
+              acc[r][1] = _mm256_fmadd_ps(qv, k1, acc[r][1]);
+            }
+          }
+          for (int r = 0; r < SR; ++r)
+            for (int h = 0; h < 2; ++h) {
+              float* to = &s[(r0 + r) * T + c0 + 8 * h];
+              _mm256_storeu_ps(to, d0 ? _mm256_add_ps(_mm256_loadu_ps(to), acc[r][h]) : acc[r][h]);
+            }
+        }
+    }
+    const int64_t live = std::min(width, nk - t0);  // the tile's columns that exist (the values read)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = &s[r * T];
+      const float alpha = scale_row(row, width, std::min(width, shift + i0 + r + 1 - t0), scale, m[r]);
+      const __m256 shiftv = _mm256_set1_ps(m[r]);
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // the 16 lanes of the AVX-512 block's sum
+      for (int64_t j = 0; j < width; j += 16) {
+        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shiftv));
+        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j + 8), shiftv));
+        lo = _mm256_add_ps(lo, e0);
+        hi = _mm256_add_ps(hi, e1);
+        _mm256_storeu_ps(row + j, e0);
+        _mm256_storeu_ps(row + j + 8, e1);
+      }
+      l[r] = l[r] * alpha + reduce_add16(lo, hi);
+      rescale(&o[r * D], NV, alpha);
+    }
+    for (int r0 = 0; r0 < QB; r0 += RG)
+      for (int c0 = 0; c0 < NV; c0 += CG)
+        for (int64_t b0 = 0; b0 < live; b0 += SUM_BLOCK) {  // each block of columns summed apart, then added
+          __m256 part[RG][CG];
+          for (int g = 0; g < RG; ++g)
+            for (int c = 0; c < CG; ++c) part[g][c] = _mm256_setzero_ps();
+          for (int64_t t = b0; t < std::min(live, b0 + SUM_BLOCK); ++t) {
+            const float* vt = v + (t0 + t) * vs + c0 * 8;
+            __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+            in_register(v0, v1);
+            for (int g = 0; g < RG; ++g) {
+              const __m256 pv = _mm256_set1_ps(s[(r0 + g) * T + t]);
+              part[g][0] = _mm256_fmadd_ps(pv, v0, part[g][0]);
+              part[g][1] = _mm256_fmadd_ps(pv, v1, part[g][1]);
+            }
+          }
+          for (int g = 0; g < RG; ++g)
+            for (int c = 0; c < CG; ++c) {
+              float* to = &o[(r0 + g) * D + (c0 + c) * 8];
+              _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), part[g][c]));
+            }
+        }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / l[r];
+    float* out_r = out + (i0 + r) * os_i;
+    for (int d = 0; d < D; ++d) out_r[d] = o[r * D + d] * inv;
+  }
+}
+#endif
+
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
 template <int D>
 void causal_all_float(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                       at::Tensor& out) {
@@ -565,6 +731,123 @@ void attend_any(const float* qf, int64_t R, int64_t Q, int64_t rep, int64_t D, c
   for (int64_t r = 0; r < R; ++r) flush(r);
 }
 
+#ifdef BATCHSPEC_AVX2
+using batchspec::load8;
+
+// attend_one in 8 lanes (AVX2), NC = head dim / 16: every score, softmax sum and value sum computed lane for lane as
+// the AVX-512 attend_one computes it (a 16-lane vector held as two halves, its lanes summed in the same tree), so its
+// row independence and a verify's query computing a one-token step's numbers hold as they do there.
+template <int NC, int RN, typename T>
+void weigh_values(const float* s, int64_t L, int64_t from, const T* vb, int64_t vs, float* acc) {
+  constexpr int NV = NC * 2, D = NC * 16;
+  constexpr int CG = RN == 1 ? 8 : RN <= 3 ? 4 : 2;  // 8-float vectors of a row held at once (at most 12 sums)
+  static_assert(NV % CG == 0, "whole groups");
+  for (int c0 = 0; c0 < NV; c0 += CG) {
+    __m256 a[RN][CG];
+    for (int g = 0; g < RN; ++g)
+      for (int c = 0; c < CG; ++c) a[g][c] = _mm256_setzero_ps();
+    auto flush = [&]() {
+      for (int g = 0; g < RN; ++g)
+        for (int c = 0; c < CG; ++c) {
+          float* out = acc + g * D + (c0 + c) * 8;
+          _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a[g][c]));
+          a[g][c] = _mm256_setzero_ps();
+        }
+    };
+    for (int64_t j = from; j < L; ++j) {
+      if (j > from && (j - from) % BLOCK == 0) flush();
+      __m256 v[CG];
+      for (int c = 0; c < CG; ++c) v[c] = load8(vb + j * vs + (c0 + c) * 8);
+      for (int g = 0; g < RN; ++g) {
+        const __m256 pv = _mm256_set1_ps(s[g * L + j]);
+        for (int c = 0; c < CG; ++c) a[g][c] = _mm256_fmadd_ps(pv, v[c], a[g][c]);
+      }
+    }
+    flush();
+  }
+}
+
+template <int NC, typename T, typename M>
+void attend_one(const float* qf, int64_t R, int64_t Q, int64_t rep, const T* kb, int64_t ks, const T* vb,
+                int64_t vs, const M* mb, int64_t mq, int64_t ml, int64_t L, float scale, float* s,
+                float* total, float* acc) {
+  constexpr int D = NC * 16;
+  std::vector<int64_t> first(R, L);
+  alignas(32) float kf[D];  // a key column as float32
+  for (int64_t j = 0; j < L; ++j) {  // scores column by column, the key loaded once for every query row
+    for (int c = 0; c < 2 * NC; ++c) _mm256_store_ps(kf + c * 8, load8(kb + j * ks + c * 8));
+    for (int64_t i = 0; i < Q; ++i) {
+      const float add = mask_add(mb[i * mq + j * ml]);
+      for (int64_t h = 0; h < rep; ++h) {
+        const int64_t r = h * Q + i;
+        if (add == NEG_INF) { s[r * L + j] = NEG_INF; continue; }
+        if (first[r] == L) first[r] = j;
+        const float* q = qf + r * D;
+        __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_load_ps(kf));
+        __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_load_ps(kf + 8));
+        for (int c = 1; c < NC; ++c) {
+          lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 16), _mm256_load_ps(kf + c * 16), lo);
+          hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * 16 + 8), _mm256_load_ps(kf + c * 16 + 8), hi);
+        }
+        s[r * L + j] = reduce_add16(lo, hi) * scale + add;
+      }
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = s + r * L;
+    float top;
+    if (!start_softmax(row, L, first[r], total[r], top)) continue;
+    // summed in lanes counted from the row's first allowed column, so the total does not depend on its padding
+    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const __m256 shift = _mm256_set1_ps(top);
+    for (int64_t j = first[r]; j < L; j += 16)
+      for (int half = 0; half < 2; ++half) {
+        const int64_t left = std::min<int64_t>(L - j - 8 * half, 8);  // columns of this half that exist
+        const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(left, 0))), lane);
+        float* at = row + j + 8 * half;
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(at, in), shift));
+        _mm256_maskstore_ps(at, in, e);
+        sum[half] = _mm256_add_ps(sum[half], _mm256_and_ps(e, _mm256_castsi256_ps(in)));
+      }
+    total[r] = reduce_add16(sum[0], sum[1]);
+  }
+  // The values are summed in blocks of BLOCK columns counted from each query's first allowed column, the blocks'
+  // sums then added in order: the rounding of a sum of ~BLOCK + L / BLOCK terms, not of L.
+  const int64_t from = *std::min_element(first.begin(), first.end());
+  std::fill(acc, acc + R * D, 0.f);
+  constexpr int RG = NC <= 4 ? 4 : 2;
+  for (int64_t r0 = 0; r0 < R; r0 += RG) {
+    const int64_t rn = std::min<int64_t>(RG, R - r0);
+    if (weigh_together<NC, RG>(s, L, first, r0, rn, vb, vs, acc)) continue;
+    for (int64_t g = 0; g < rn; ++g) {  // rows that start apart: each its own blocks, a zero weight skipped
+      const int64_t start = first[r0 + g];
+      const float* sr = s + (r0 + g) * L;
+      float* out = acc + (r0 + g) * D;
+      for (int c0 = 0; c0 < 2 * NC; c0 += 4) {
+        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        auto flush = [&]() {
+          for (int c = 0; c < 4; ++c) {
+            float* to = out + (c0 + c) * 8;
+            _mm256_storeu_ps(to, _mm256_add_ps(_mm256_loadu_ps(to), a[c]));
+            a[c] = _mm256_setzero_ps();
+          }
+        };
+        for (int64_t j = from; j < L; ++j) {
+          const int64_t into = j - start;
+          if (into > 0 && into % BLOCK == 0) flush();
+          const float p = sr[j];
+          if (p == 0.f) continue;
+          const __m256 pv = _mm256_set1_ps(p);
+          for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(pv, load8(vb + j * vs + (c0 + c) * 8), a[c]);
+        }
+        flush();
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, typename M>
 void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
             const at::Tensor& mask, double scale, at::Tensor& out) {
@@ -599,7 +882,7 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       const T* vb = vp + b * vs[0] + g * vs[1] + skip * vs[2];
       const M* mb = mp + b * ms[0] + skip * ms[3];
       bool done = false;
-#ifdef BATCHSPEC_AVX512
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
       if (D == 64) {
         attend_one<4>(qf.data(), R, Q, rep, kb, ks[2], vb, vs[2], mb, mq, ms[3], cols, sc, s.data(), total.data(),
                       acc.data());
@@ -660,7 +943,7 @@ bool has_causal() {
 }
 
 bool has_causal_float() {
-#ifdef BATCHSPEC_AVX512
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
   return true;
 #else
   return false;
@@ -674,8 +957,8 @@ at::Tensor causal(at::Tensor query, at::Tensor key, at::Tensor value, double sca
   TORCH_CHECK(query.size(0) == 1 && key.size(2) >= query.size(2), "one row, at least as many keys as queries");
   auto out = at::empty({query.size(2), query.size(1), query.size(3)}, query.options());
   if (query.scalar_type() == at::kFloat) {
-    TORCH_CHECK(has_causal_float(), "the float32 causal kernel needs a CPU with AVX-512");
-#ifdef BATCHSPEC_AVX512
+    TORCH_CHECK(has_causal_float(), "the float32 causal kernel needs a CPU with AVX-512, or AVX2 and FMA");
+#if defined(BATCHSPEC_AVX512) || defined(BATCHSPEC_AVX2)
     if (query.size(3) == 64) causal_all_float<64>(query, key, value, scale, out);
     else causal_all_float<128>(query, key, value, scale, out);
 #endif

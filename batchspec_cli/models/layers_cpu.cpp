@@ -20,6 +20,7 @@
 #include <cmath>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include "native_cpu.h"
 
 namespace {
@@ -51,6 +52,30 @@ inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {  // x already rounded: its upper halves
   const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+}
+#endif
+
+#ifdef BATCHSPEC_AVX2
+using batchspec::load8;
+// 8 lanes rounded to T as ``rounded`` rounds one
+template <typename T>
+inline __m256 rounded8(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256 even = _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+    return _mm256_blendv_ps(even, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN stays NaN
+  }
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) {  // x already rounded: its upper halves
+  alignas(32) uint32_t bits[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(bits), _mm256_castps_si256(x));
+  uint16_t* out = reinterpret_cast<uint16_t*>(p);
+  for (int l = 0; l < 8; ++l) out[l] = static_cast<uint16_t>(bits[l] >> 16);
 }
 #endif
 
@@ -119,6 +144,14 @@ void silu_mul_rows(const T* gu, O* out, int64_t rows, int64_t n) {
         const __m512 e = batchspec::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
         const __m512 act = rounded16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         store16(o + j, rounded16<O>(rounded16<T>(_mm512_mul_ps(act, load16(u + j)))));
+      }
+#endif
+#ifdef BATCHSPEC_AVX2
+      for (; j + 8 <= n; j += 8) {  // each lane as the AVX-512 loop above computes it
+        const __m256 x = load8(g + j);
+        const __m256 e = batchspec::exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        const __m256 act = rounded8<T>(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+        store8(o + j, rounded8<O>(rounded8<T>(_mm256_mul_ps(act, load8(u + j)))));
       }
 #endif
       for (; j < n; ++j) {

@@ -11,7 +11,9 @@ what a one-token step at its position would. Where the CPU has AVX512-BF16, a bf
 runs batchspec's own kernel too (``causal``): bfloat16 pairs dotted into float32 by the CPU's dot-product
 instruction, tiles of key columns with a running softmax, the probabilities rounded to bfloat16 for the product with
 the values (as SDPA's CPU flash kernel does, which runs far below this core's bfloat16 speed). Where it has AVX-512,
-a float32 prefill's the same in float32 (SDPA's flash kernel ran it at a third of the core's float32 products).
+a float32 prefill's the same in float32 (SDPA's flash kernel ran it at a third of the core's float32 products). On a
+CPU with AVX2 and FMA but no AVX-512 the attention kernels and SiLU run in 8-lane registers, each lane computed as the
+AVX-512 build computes it (without them a decode step's attention ran 2-4x slower than SDPA there: plain C++).
 
 No kept library ships such a kernel for this PyTorch (vLLM's and IPEX's pin their own), so it is built here
 with PyTorch's own extension builder (a C++ compiler and ninja; ``-march=native``) into the tool's cache
@@ -56,8 +58,8 @@ class Built:
     def __init__(self, module=None, error: str | None = None, seconds: float = 0.0, built_now: bool = False,
                  key: str = ""):
         self.attend = module.attend if module is not None else None  # short queries, float32 and bfloat16
-        # a row's causal prefill: bfloat16 where the CPU has AVX512-BF16, float32 where it has AVX-512 (the build's
-        # -march=native)
+        # a row's causal prefill: bfloat16 where the CPU has AVX512-BF16, float32 where it has AVX-512 or AVX2 and FMA
+        # (the build's -march=native)
         self.causal_dtypes = tuple(dtype for dtype, built in (
             (torch.bfloat16, module is not None and module.has_causal()),
             (torch.float32, module is not None and module.has_causal_float())) if built)
