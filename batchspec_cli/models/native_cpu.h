@@ -13,7 +13,7 @@
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define BATCHSPEC_AVX2 1  // 8 lanes: SiLU and the float32 causal prefill, lane for lane as the AVX-512 build computes
+#define BATCHSPEC_AVX2 1  // 8 lanes: attention, the float32 causal prefill and SiLU, lane for lane as with AVX-512
 #endif
 
 #ifdef BATCHSPEC_AVX512
@@ -50,7 +50,7 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 // exp on 8 lanes, each lane as exp16 computes it: the same reduction and polynomial, and 2^n applied as its scalef
-// rounds (one rounding: 2^n built in the exponent field, halved once for n = 128; inf from n = 129)
+// rounds (one rounding: 2^n built in the exponent field, for n = 128 2^127 then doubled; inf from n = 129)
 inline __m256 exp8(__m256 x) {
   const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
