@@ -1,7 +1,8 @@
-"""batchspec's float32 linear kernel (models/linear_cpu.cpp, any CPU with AVX-512) and the rows it runs
-(kernels.native_rows_from, kernels.use_native): its products against float64 ones within the error bound of its
-blocked sum, a row's outputs the same whatever rows run beside it, the shapes a model has, the range of sizes it
-takes from MKL and oneDNN, and a float32 model on it against the stock model."""
+"""batchspec's float32 linear kernel (models/linear_cpu.cpp, any CPU with AVX-512, or AVX2 and FMA) and the rows it
+runs (kernels.native_rows_from, kernels.use_native): its products against float64 ones within the error bound of its
+blocked sum, each output the documented blocked sum bit for bit, a row's outputs the same whatever rows run beside
+it, the shapes a model has, the range of sizes it takes from MKL and oneDNN, and a float32 model on it against the
+stock model."""
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from conftest import assert_rows_independent, logits_on_native_kernel, make_tiny
 
 BUILT = native.load()
 needs_kernel = pytest.mark.skipif(torch.float32 not in BUILT.linear_dtypes,
-                                  reason="the float32 linear kernel needs AVX-512 and a build: "
-                                         f"{BUILT.error or 'this CPU has no AVX-512'}")
+                                  reason="the float32 linear kernel needs AVX-512 or AVX2 and a build: "
+                                         f"{BUILT.error or 'this CPU has neither'}")
 OPS = BUILT.ops
 UNIT = 2.0**-24  # float32's unit roundoff
 
@@ -50,6 +51,61 @@ def test_the_product_is_the_float64_product_within_its_sums_error_bound(out_feat
     assert ((got.double() - exact).abs() <= bound).all()
     stock = nn.functional.linear(x, weight).double()
     assert (got.double() - exact).abs().max() <= 4 * (stock - exact).abs().max() + 1e-12  # as close as PyTorch's
+
+
+def fused_multiply_add(a, b, c):
+    """float32 a * b + c rounded once, to nearest even (a fused multiply-add): a * b is exact in float64, the sum's
+    float64 rounding error is found exactly (two-sum) and decides the one case where float64 rounding could mislead
+    the float32 one, a sum exactly halfway between two float32 numbers."""
+    product, addend = a.double() * b.double(), c.double()
+    total = product + addend
+    back = total - product
+    error = (product - (total - back)) + (addend - back)
+    rounded = total.float()
+    inf = torch.tensor(float("inf"))
+    low = torch.where(rounded.double() <= total, rounded, torch.nextafter(rounded, -inf))
+    high = torch.nextafter(low, inf)
+    halfway = (low.double() + high.double()) / 2 == total
+    rounded = torch.where(halfway & (error > 0), high, rounded)
+    return torch.where(halfway & (error < 0), low, rounded)
+
+
+def blocked_sum(x, weight):
+    """The order the kernel documents for each output, on any CPU: k in blocks of 64, each block one chain of fused
+    multiply-adds from zero, k upwards, the blocks' sums added to the total in order."""
+    total = torch.zeros(x.shape[0], weight.shape[0])
+    for first in range(0, x.shape[1], 64):
+        block = torch.zeros_like(total)
+        for j in range(first, min(x.shape[1], first + 64)):
+            block = fused_multiply_add(x[:, j, None], weight[None, :, j], block)
+        total = total + block
+    return total
+
+
+def test_the_reference_fused_multiply_add_rounds_once():
+    from fractions import Fraction
+
+    a, b, c = random((2000,), 21), random((2000,), 22), random((2000,), 23, 1e-3)
+    a[0], b[0], c[0] = 1 + 2.0**-12, 1 + 2.0**-12, -(1 + 2.0**-11)  # a * b + c = 2^-24: only a fused one keeps it
+    a[1:4], b[1:4] = 1 + 2.0**-12, 1 + 2.0**-12  # a * b = 1 + 2^-11 + 2^-24: halfway between two float32 numbers
+    c[1:4] = torch.tensor([2.0**-60, -(2.0**-60), 0.0])  # a hair above it, below it, on it (float64 rounds to half)
+    got = fused_multiply_add(a, b, c)
+    for i in range(len(a)):
+        exact = Fraction(a[i].item()) * Fraction(b[i].item()) + Fraction(c[i].item())
+        near = torch.tensor(float(exact)).float()
+        candidates = [torch.nextafter(near, torch.tensor(d)).item() for d in (-1e30, 1e30)] + [near.item()]
+        best = min(abs(Fraction(v) - exact) for v in candidates)
+        assert abs(Fraction(got[i].item()) - exact) == best, i
+    assert got[0].item() == 2.0**-24
+    assert got[1:4].tolist() == [1 + 2.0**-11 + 2.0**-23, 1 + 2.0**-11, 1 + 2.0**-11]  # the tie: to even
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 70, 200), (7, 130, 64), (13, 16, 129), (50, 20, 70)])
+def test_each_output_is_the_documented_blocked_sum_bit_for_bit(rows, out_features, in_features):
+    # the same bits on every CPU the kernel is built for: 16-lane and 8-lane builds sum each output in this order
+    x, weight = random((rows, in_features), 24), random((out_features, in_features), 25, 0.05)
+    assert torch.equal(product(x, weight), blocked_sum(x, weight))
 
 
 @needs_kernel

@@ -43,9 +43,9 @@ size on a CPU without AMX, where it was 1.6-2.2x oneDNN's at 1-8 rows and 1.04-1
 tiles oneDNN's wide products should stay faster, and the measurement keeps them). Each of its outputs is one float32
 sum in a fixed order, so a row's outputs do not depend on the rows beside it.
 
-batchspec's float32 kernel (the same file, built on any CPU with AVX-512): on a Xeon without bfloat16 units, where a
-job runs float32, MKL and oneDNN ran 4-16 rows at 1.2-1.4x its time (a decode step streams the weights once at
-whatever rows). It runs the span of sizes ``measure_native_rows`` found it no slower (``native_rows_from``: MKL's
+batchspec's float32 kernel (the same file, built on any CPU with AVX-512, or AVX2 and FMA): on a Xeon without bfloat16
+units, where a job runs float32, MKL and oneDNN ran 4-16 rows at 1.2-1.4x its time (a decode step streams the weights
+once at whatever rows); on a Zen 3 core with AVX2 only, oneDNN 1.3-1.6x, MKL 1.6-2.3x. It runs the span of sizes ``measure_native_rows`` found it no slower (``native_rows_from``: MKL's
 one-row product may stream as fast, and oneDNN's wide products run at the float32 roof), below and above which the
 layer keeps the kernels it had. Each output is one float32 sum over k in blocks of 64, so again a row's outputs do not
 depend on the rows beside it.

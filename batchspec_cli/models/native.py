@@ -67,7 +67,7 @@ class Built:
         self.ops = module  # every operator, the layers' elementwise ones too (``layers``)
         # the bfloat16 linear kernel, where the CPU has AVX512-BF16 (kernels.use_native runs it)
         self.linear = module is not None and module.has_linear()
-        # the weight dtypes the linear kernels take: float32 where the CPU has AVX-512, bfloat16 as ``linear``
+        # the weight dtypes the linear kernels take: float32 where the CPU has AVX-512 or AVX2, bfloat16 as ``linear``
         self.linear_dtypes = tuple(dtype for dtype, built in (
             (torch.bfloat16, self.linear), (torch.float32, module is not None and module.has_linear_float())) if built)
         self.error, self.seconds, self.built_now = error, seconds, built_now
