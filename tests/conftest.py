@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import copy
+import os
 import random
 import string
 from pathlib import Path
@@ -43,6 +44,19 @@ CHAT_TEMPLATE = (
 def pytest_configure(config: pytest.Config) -> None:
     # Slow tests run by default (CI runs everything); `-m "not slow"` leaves them out by hand.
     config.addinivalue_line("markers", "slow: end-to-end tests on the real default model")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): a worker a core, at most 4 (each holds a model or two and their kernels)."""
+    return max(1, min(4, _cores()))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # a worker: its share of the cores (tests that need more set them)
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 # --------------------------------------------------------------------------- factories
