@@ -1,7 +1,9 @@
-"""batchspec's linear kernel (models/linear_cpu.cpp; bfloat16, or float32 with ``--dtype float32``) against oneDNN's packed kernel and PyTorch's stock
-product, on every linear of the default target (the fused layers' joint ones, as a forward runs them), in one process.
+"""batchspec's linear kernel (models/linear_cpu.cpp; bfloat16, or float32 with ``--dtype float32``) against oneDNN's
+packed kernel and PyTorch's stock product, on every linear of the default target (the fused layers' joint ones, as a
+forward runs them), in one process.
 
     python benchmarks/native_linear.py --rows 1 2 4 8 16 32 64 256 1024 --threads 1
+    python benchmarks/native_linear.py --dtype float32 --rows 1 2 4 8 16 32 64 256 --repeats 5
 
 For each input size (rows), the three kernels run over all the layers in turn, in palindrome order (stock, onednn,
 native, native, onednn, stock) for ``--repeats`` rounds; the time is the median. Reports ms for the whole model's

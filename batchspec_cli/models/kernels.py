@@ -45,10 +45,10 @@ sum in a fixed order, so a row's outputs do not depend on the rows beside it.
 
 batchspec's float32 kernel (the same file, built on any CPU with AVX-512, or AVX2 and FMA): on a Xeon without bfloat16
 units, where a job runs float32, MKL and oneDNN ran 4-16 rows at 1.2-1.4x its time (a decode step streams the weights
-once at whatever rows); on a Zen 3 core with AVX2 only, oneDNN 1.3-1.6x, MKL 1.6-2.3x. It runs the span of sizes ``measure_native_rows`` found it no slower (``native_rows_from``: MKL's
-one-row product may stream as fast, and oneDNN's wide products run at the float32 roof), below and above which the
-layer keeps the kernels it had. Each output is one float32 sum over k in blocks of 64, so again a row's outputs do not
-depend on the rows beside it.
+once at whatever rows); on a Zen 3 core with AVX2 alone, oneDNN 1.5-1.7x and MKL 1.9-2.3x. It runs the span of sizes
+``measure_native_rows`` found it no slower (``native_rows_from``: MKL's one-row product may stream as fast, and
+oneDNN's wide products run at the float32 roof), below and above which the layer keeps the kernels it had. Each
+output is one float32 sum over k in blocks of 64, so again a row's outputs do not depend on the rows beside it.
 
 ``--dtype mixed`` (``to_mixed``): bfloat16 weights and matmul inputs, float32 sums and activations. Its linears are
 ``MixedLinear`` layers, which oneDNN never packs: batchspec's kernel runs them at every size (float32 in, rounded to
