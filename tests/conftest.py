@@ -56,7 +56,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 # the longest files (one core, 2026-12-07: about 450, 200 and 110 s of the suite's 1,470) start first, so that the
-# workers finish together (`--dist loadfile` hands out the files in the order collected)
+# workers finish together (`--dist loadfile --no-loadscope-reorder` hands out the files in the order collected;
+# without it xdist orders them by their number of tests)
 FIRST = ("test_e2e_default_model.py", "test_ray.py", "test_scale.py")
 
 
