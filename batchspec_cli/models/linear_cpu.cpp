@@ -104,7 +104,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
                   weight.device().is_cpu(),
               "pack_linear takes a 2-D bfloat16 or float32 CPU weight");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = (n + COLS - 1) / COLS;
+  const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor dense = weight.contiguous();
   if (weight.scalar_type() == at::kFloat) {
     TORCH_CHECK(has_linear_float(), "the float32 linear kernel needs a CPU with AVX-512, or AVX2 and FMA");
@@ -114,7 +114,7 @@ at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(has_linear(), "the linear kernel needs a CPU with AVX512-BF16");
   TORCH_CHECK(k % 2 == 0, "pack_linear takes an even number of input features");
   return panels_of(reinterpret_cast<const int32_t*>(dense.data_ptr<c10::BFloat16>()), n, k / 2, COLS,  // a pair: a word
-                   at::zeros({panels, k / 2, COLS, 2}, weight.options()));
+                   at::zeros({(n + COLS - 1) / COLS, k / 2, COLS, 2}, weight.options()));
 }
 
 #ifdef BATCHSPEC_AVX512BF16
