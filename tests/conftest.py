@@ -356,7 +356,7 @@ class ScheduledArms(Arms):
         super().__init__()
         self.rng, self.left = random.Random(seed), 0
 
-    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None, once_s=0.0):
         self.left -= 1
         if self.left > 0:
             return None

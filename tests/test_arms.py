@@ -191,6 +191,42 @@ def test_a_trials_price_leaves_out_the_admission_prefills_either_arm_pays():
     assert arms.price[SPEC] == pytest.approx(n * ROUND_S * (1 - rates[SPEC] / rates[PLAIN]))
 
 
+SHORT_ROUND_S = WINDOW_SECONDS / (2 * WINDOW_ROUNDS)  # a window closes on its seconds: 2 x its least rounds
+
+
+def trial_with_calibration(spec: list[float], calibration: float, once: bool) -> Arms:
+    """PLAIN at 100 tokens/s, then a SPEC trial whose first round also calibrates (``calibration`` s more), told to
+    the arms as paid once (``once``) or as any other seconds. Rounds of ``SHORT_ROUND_S``; SPEC's n-th round commits at ``spec[n]`` tokens/s (the last one from there on).
+    Runs until the trial is decided. Returns the arms."""
+    arms, round_s, n = Arms(), SHORT_ROUND_S, 0
+    while arms.arm == PLAIN:
+        arms.record(100.0 * round_s, round_s, 10 ** 6)
+    while arms.arm == SPEC and arms.incumbent == PLAIN and arms.trial < 2:
+        rate, extra = spec[min(n, len(spec) - 1)], calibration if n == 0 else 0.0
+        arms.record(rate * round_s, round_s + extra, 10 ** 6, once_s=extra if once else 0.0)
+        n += 1
+    return arms
+
+
+def test_a_calibration_is_paid_once_it_neither_cuts_a_trial_short_nor_prices_a_retest():
+    """A SPEC 20 % faster whose trial starts on three hard rounds (half PLAIN's rate) and calibrates first, for as
+    long as half a window: judged on its rounds it wins and takes over. Counted in its window, the calibration fills
+    the half window after five rounds, three of them hard, and the trial is cut as clearly behind. A SPEC 10 %
+    slower that calibrates for 3 s loses its trial; its re-test is priced at its rounds' loss alone (a later trial
+    does not calibrate again)."""
+    hard_start = [50.0] * 3 + [120.0]
+    half_window = CUT_AT * WINDOW_SECONDS
+    assert trial_with_calibration(hard_start, half_window, once=True).incumbent == SPEC
+    counted = trial_with_calibration(hard_start, half_window, once=False)
+    assert counted.incumbent == PLAIN and len(counted.windows) == 2 and counted.arm == PLAIN
+    losing = trial_with_calibration([90.0], 3.0, once=True)
+    assert losing.incumbent == PLAIN and losing.windows[-1][0] == SPEC
+    assert losing.price[SPEC] == pytest.approx(WINDOW_SECONDS * (1 - 90.0 / 100.0))  # one window at 90 % of PLAIN's
+    # counted, it is in the price, and the window closes on the rounds it has
+    counted = trial_with_calibration([90.0], 3.0, once=False)
+    assert counted.price[SPEC] == pytest.approx(3.0 + WINDOW_ROUNDS * SHORT_ROUND_S * (1 - 90.0 / 100.0))
+
+
 def drive_admitting(rates: dict[str, float], windows: int, admitting: str, prefill: float) -> list[str]:
     """``drive``, with a prefill of ``prefill`` s of rows admitted before every other round of the arm
     ``admitting`` (a batch refilled row by row as its rows finish). Returns the arm of every window."""

@@ -123,7 +123,7 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     """A PLAIN round's wall clock loses the draft prefills made before it; SPEC's next round carries them."""
     auto = Auto(5)
     seen = []
-    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0, worth=None: seen.append(seconds)
+    auto.arms.record = lambda tokens, seconds, *told, **named: seen.append(seconds)
     plain = dataclasses.replace(report(8, "", 0, 0.2), draft_prefill_s=0.05)
     auto.observe(plain)
     auto.observe(plain)
@@ -133,12 +133,28 @@ def test_draft_prefills_during_plain_are_charged_to_spec_not_plain():
     assert seen == pytest.approx([0.15, 0.15, 0.3, 0.2])
 
 
+def test_a_calibration_is_told_to_the_arms_as_paid_once():
+    """The round that calibrated hands its calibration to the arms apart (``once_s``): in the round's wall clock,
+    out of the window's seconds."""
+    auto = Auto(5)
+    auto.arms.arm = SPEC
+    told = []
+    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0, worth=None, once_s=0.0: told.append(
+        (seconds, once_s))
+    auto.observe(dataclasses.replace(report(8, "", 0, 0.2), calibrate_s=0.7, elapsed_s=0.9))
+    auto.observe(report(8, "", 0, 0.2))
+    assert told == [pytest.approx((0.9, 0.7)), pytest.approx((0.2, 0.0))]
+    policy = Auto(5)
+    policy.observe(dataclasses.replace(report(8, "", 0, 0.2), calibrate_s=0.7, elapsed_s=0.9))
+    assert policy.arms.window.seconds == pytest.approx([0.2])
+
+
 def test_spec_fills_the_pool_only_while_most_of_its_rounds_speculate():
     """The pool beyond one batch serves rows speculation left at different lengths: SPEC holds it while most of
     its recent rounds speculate; plain steps under SPEC close it within a window, speculating rounds reopen it;
     PLAIN's rounds and a SPEC trial never fill it."""
     auto = Auto(5)
-    auto.arms.record = lambda tokens, seconds, tokens_left=None, admit_s=0.0, worth=None: None
+    auto.arms.record = lambda tokens, seconds, *told, **named: None
     assert not auto.wants_pool()  # PLAIN holds
     auto.arms.arm = SPEC
     assert not auto.wants_pool()  # a SPEC trial runs on the batch in flight
@@ -500,12 +516,11 @@ def test_the_engine_tells_auto_the_work_left(target, draft, prompts, sized):
     assert sized == (seen[0][1] is not None)
 
 
-def test_the_engine_reports_the_targets_admission_prefills_apart(target, draft, prompts):
-    """Every round's report says how much of its elapsed wall clock went on the target's prefills of rows admitted
-    since the previous round: together, about what the prefill steps' own stats measured (PLAIN: no draft prefill
-    rides along), never more than the round's elapsed time, nothing on rounds with no admission before them."""
+def watched_run(target, draft, prompts, arm: str) -> tuple[list, list[RoundReport], Auto]:
+    """The prompts through the engine under ``auto`` held in ``arm`` throughout: (events, every round's report,
+    the policy)."""
     from batchspec_cli.engine.core import ModelHandle
-    from batchspec_cli.engine.events import Request, StepStats
+    from batchspec_cli.engine.events import Request
 
     reports = []
 
@@ -516,16 +531,36 @@ def test_the_engine_reports_the_targets_admission_prefills_apart(target, draft, 
 
     policy = Watching(3)
     policy.arms.share = None
-    policy.arms._decide = lambda rate: None  # PLAIN throughout
+    policy.arms.incumbent = policy.arms.arm = arm
+    policy.arms._decide = lambda rate: None  # no decision: the arm holds
     engine = Engine(ModelHandle(target, "cache"), ModelHandle(draft, "cache"), [], EngineConfig(mode="auto", k=3,
                     batch_size=4), policy=policy)
     events = list(engine.run(iter([Request(row=i, id=f"r{i}", prompt_ids=p, max_new_tokens=6, sampling=Sampling())
                                    for i, p in enumerate(prompts)])))
+    return events, reports, policy
+
+
+def test_the_engine_reports_the_targets_admission_prefills_apart(target, draft, prompts):
+    """Every round's report says how much of its elapsed wall clock went on the target's prefills of rows admitted
+    since the previous round: together, about what the prefill steps' own stats measured (PLAIN: no draft prefill
+    rides along), never more than the round's elapsed time, nothing on rounds with no admission before them."""
+    from batchspec_cli.engine.events import StepStats
+
+    events, reports, _ = watched_run(target, draft, prompts, PLAIN)
     prefills = [e for e in events if isinstance(e, StepStats) and e.group_kind == "prefill"]
     assert len(prefills) >= 2 and all(r.admit_s <= r.elapsed_s for r in reports)
     assert reports[0].admit_s > 0 and sum(r.admit_s > 0 for r in reports) <= len(prefills)
     measured = sum(p.total_ms for p in prefills) / 1e3
     assert 0.5 * measured <= sum(r.admit_s for r in reports) <= measured
+
+
+def test_the_engine_reports_a_calibration_once_within_its_rounds_wall_clock(target, draft, prompts):
+    """SPEC from the start: the first round calibrates, and its report says for how long (within the round's
+    elapsed wall clock, outside its own clock); no other round calibrates."""
+    _, reports, policy = watched_run(target, draft, prompts, SPEC)
+    calibrated = [r for r in reports if r.calibrate_s > 0]
+    assert len(calibrated) == 1 and calibrated[0] is reports[0] and policy.spec.seeded
+    assert calibrated[0].seconds + calibrated[0].calibrate_s <= calibrated[0].elapsed_s
 
 
 def test_auto_on_a_short_job_stays_plain_and_never_calibrates_or_prefills_the_draft(target, draft, prompts,

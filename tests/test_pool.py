@@ -201,7 +201,7 @@ class _SpecWins(_SpecTrial):
         super().__init__()
         self.left = after
 
-    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None):
+    def record(self, tokens, seconds, tokens_left=None, admit_s=0.0, worth=None, once_s=0.0):
         self.left -= 1
         if self.left == 0:
             self.incumbent = control.SPEC

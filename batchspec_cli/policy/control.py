@@ -359,7 +359,7 @@ class Arms:
         self.price: dict[str, float] = {}  # per arm: what its last lost trial cost, in seconds (``affordable``)
 
     def record(self, tokens: int, seconds: float, tokens_left: int | None = None, admit_s: float = 0.0,
-               worth: float | None = None) -> float | None:
+               worth: float | None = None, once_s: float = 0.0) -> float | None:
         """One round of the running arm; returns the window's rate (tokens/s) when this round closes it. ``worth``:
         what the round's tokens are worth, in one unit for every round (None: the tokens themselves, so windows are
         judged by their rate). ``tokens_left``: the
@@ -367,10 +367,12 @@ class Arms:
         ``seconds``, the target's prefills of rows admitted before the round. They count neither in the window nor
         in a trial's price: whichever arm runs, a row is prefilled once, and where one lands decides nothing about
         the arms (a prefill in a window would decide its rate: docs/history.md, "Figures once kept in the
-        code"). Everything else between two rounds counts: KV growth, realignment, the draft's prefills and
-        catch-up."""
+        code"). ``once_s``: of ``seconds``, what an arm pays once in a job (SPEC's calibration): it neither judges
+        the window (the rate a win would keep comes after it) nor prices a re-test (which does not pay it again);
+        a first trial's price counts it (``affordable``). Everything else between two rounds counts: KV growth,
+        realignment, the draft's prefills and catch-up."""
         self.tokens_left = tokens_left
-        seconds -= admit_s  # the arm's own seconds: a row's prefill is the same work whichever arm runs
+        seconds -= admit_s + once_s  # the arm's own seconds: a row's prefill is the same work whichever arm runs
         self.window.tokens.append(tokens)
         self.window.seconds.append(seconds)
         self.window.worth.append(tokens if worth is None else worth)
@@ -690,7 +692,8 @@ class Auto:
         else:
             seconds, self.owed_s = seconds + self.owed_s, 0.0
             self.drafting += DRAFTING_EMA * ((report.choice.k > 0) - self.drafting)
-        return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s, self.worth(report))
+        return self.arms.record(report.tokens, seconds, report.tokens_left, report.admit_s, self.worth(report),
+                                report.calibrate_s)
 
     def worth(self, report: RoundReport) -> float:
         """What the round's tokens are worth: the seconds plain steps at the round's context take for them, at the
