@@ -251,6 +251,30 @@ def test_the_packed_rows_are_the_fewest_from_which_packed_was_never_slower():
     assert kernels.min_rows_from(stock, {r: t for r, t in stock.items()}) == 1  # a tie is no loss
 
 
+def test_a_burst_in_one_attempt_does_not_decide_the_native_rows():
+    """Invented kernels: batchspec's 1.25x faster at every size; a neighbour's burst slows the native kernel's first
+    timed attempt 3x at every other size. Timed once, the bursts decide (the span ends before 4 rows); the fastest
+    of ``NATIVE_REPEATS`` attempts gives every size to the native kernel."""
+    sizes = kernels.NATIVE_ROWS_TIMED
+    true = {False: 1.25, True: 1.0}  # seconds per row: before, native
+
+    def timings(repeats: int):
+        attempts: dict = {}
+
+        def seconds(rows: int, native: bool) -> float:
+            n = attempts[rows, native] = attempts.get((rows, native), -1) + 1  # 0: the untimed attempt
+            burst = native and n == 1 and sizes.index(rows) % 2 == 1
+            return rows * true[native] * (3.0 if burst else 1.0)
+
+        return kernels._fastest_ms(sizes, seconds, repeats)
+
+    before, native = timings(1)
+    assert kernels.native_rows_from(before, native) == (1, 1)  # the bursts decided
+    before, native = timings(kernels.NATIVE_REPEATS)
+    assert before == {r: 1.25e3 * r for r in sizes} and native == {r: 1e3 * r for r in sizes}
+    assert kernels.native_rows_from(before, native) == (1, kernels.EVERY_ROWS)
+
+
 @torch.no_grad()
 def test_measured_packed_rows_time_both_kernels_and_apply_to_every_dtype():
     model = packed_copy(tiny())

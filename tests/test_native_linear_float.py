@@ -185,3 +185,26 @@ def test_the_measurement_times_both_kernels_on_a_float32_models_layers():
     assert first in (0, 1, 4, 300) and last in (0, 1, 4, 300, kernels.EVERY_ROWS) and first <= last
     assert all(layer.native is None for layer in layers_)  # measuring changes nothing
     assert kernels.measure_native_rows(layers_, OPS, sizes=(1, 4)) == ((0, 0), {})  # bfloat16 asked: none here
+
+
+@needs_kernel
+def test_a_span_measured_with_fewer_attempts_is_measured_again_then_remembered(tmp_path, monkeypatch):
+    """A span remembered from a measurement of fewer timed attempts than ``NATIVE_REPEATS`` (one attempt, before
+    2026-12-08: a neighbour's burst could decide it for good) is measured again, once; the new one is remembered."""
+    from batchspec_cli.job import assembly
+    from batchspec_cli.models import loading, widths
+
+    model = tiny_float()
+    kernels.prepack(model)
+    native.attach(model)
+    loaded = loading.LoadedModel(model=model, tokenizer=None, name="tiny", source="")
+    memory = widths.MachineMemory(tmp_path / "widths.json", {"machine": "test"})
+    spans = iter([(4, 16), (1, 64)])
+    measured = []
+    monkeypatch.setattr(kernels, "measure_native_rows",
+                        lambda layers_, ops, **_: measured.append(1) or (next(spans), {"before": {}, "native": {}}))
+    monkeypatch.setattr(kernels, "NATIVE_REPEATS", 1)
+    assert assembly.tune_native(loaded, memory) == (4, 16)
+    monkeypatch.setattr(kernels, "NATIVE_REPEATS", 3)
+    assert assembly.tune_native(loaded, memory) == (1, 64) and len(measured) == 2
+    assert assembly.tune_native(loaded, memory) == (1, 64) and len(measured) == 2

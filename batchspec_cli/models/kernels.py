@@ -254,6 +254,11 @@ def drop_native(layer: PackedLinear | MixedLinear) -> None:
 
 
 NATIVE_ROWS_TIMED = (1, 4, 16, 64, 256, 1024)  # the input sizes ``measure_native_rows`` compares
+# Timed attempts per size and kernel, the fastest kept (a neighbour's burst only ever slows one down). One attempt,
+# with another batchspec job on the other core, measured the float32 kernel behind oneDNN at 64 rows in 1 of 6
+# measurements (0.94x, where the other 5 said 1.06-1.43x) and kept that span for good; three: 1.26-1.36x, 6 of 6
+# (AVX2 host, one thread, 2026-12-08; docs/performance.md). It costs about 0.6 s more, once per machine and model.
+NATIVE_REPEATS = 3
 NATIVE_WIDE_ROWS = 64  # from these rows a product is compute-bound: timed on the first ``NATIVE_WIDE_BYTES`` only
 NATIVE_WIDE_BYTES = 16 * 2**20
 EVERY_ROWS = 1 << 30  # the kernel runs every size (it was never slower, up to a prefill's 1,024 rows)
@@ -279,7 +284,7 @@ def native_rows_from(before: dict[int, float], native: dict[int, float]) -> tupl
 
 @torch.no_grad()
 def measure_native_rows(layers: list[nn.Module], ops, sizes: tuple[int, ...] = NATIVE_ROWS_TIMED,
-                        repeats: int = 1,
+                        repeats: int = NATIVE_REPEATS,
                         dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> tuple[tuple[int, int], dict]:
     """Time batchspec's kernel (built for ``dtypes``) against the one that runs each size of ``sizes`` rows today
     (oneDNN's packed kernel over the layer's packed range, the stock one outside it) on the ``nativeable`` of
