@@ -196,16 +196,16 @@ SHORT_ROUND_S = WINDOW_SECONDS / (2 * WINDOW_ROUNDS)  # a window closes on its s
 
 def trial_with_calibration(spec: list[float], calibration: float, once: bool) -> Arms:
     """PLAIN at 100 tokens/s, then a SPEC trial whose first round also calibrates (``calibration`` s more), told to
-    the arms as paid once (``once``) or as any other seconds. Rounds of ``SHORT_ROUND_S``; SPEC's n-th round commits at ``spec[n]`` tokens/s (the last one from there on).
-    Runs until the trial is decided. Returns the arms."""
-    arms, round_s, n = Arms(), SHORT_ROUND_S, 0
+    the arms as paid once (``once``) or as any other seconds. Rounds of ``SHORT_ROUND_S``; SPEC's n-th round commits
+    at ``spec[n]`` tokens/s (the last one from there on). Runs until the trial is decided. Returns the arms."""
+    arms = Arms()
     while arms.arm == PLAIN:
-        arms.record(100.0 * round_s, round_s, 10 ** 6)
-    while arms.arm == SPEC and arms.incumbent == PLAIN and arms.trial < 2:
+        arms.record(100.0 * SHORT_ROUND_S, SHORT_ROUND_S, 10 ** 6)
+    for n in itertools.count():
+        if not (arms.arm == SPEC and arms.incumbent == PLAIN and arms.trial < 2):
+            return arms
         rate, extra = spec[min(n, len(spec) - 1)], calibration if n == 0 else 0.0
-        arms.record(rate * round_s, round_s + extra, 10 ** 6, once_s=extra if once else 0.0)
-        n += 1
-    return arms
+        arms.record(rate * SHORT_ROUND_S, SHORT_ROUND_S + extra, 10 ** 6, once_s=extra if once else 0.0)
 
 
 def test_a_calibration_is_paid_once_it_neither_cuts_a_trial_short_nor_prices_a_retest():
@@ -223,8 +223,8 @@ def test_a_calibration_is_paid_once_it_neither_cuts_a_trial_short_nor_prices_a_r
     assert losing.incumbent == PLAIN and losing.windows[-1][0] == SPEC
     assert losing.price[SPEC] == pytest.approx(WINDOW_SECONDS * (1 - 90.0 / 100.0))  # one window at 90 % of PLAIN's
     # counted, it is in the price, and the window closes on the rounds it has
-    counted = trial_with_calibration([90.0], 3.0, once=False)
-    assert counted.price[SPEC] == pytest.approx(3.0 + WINDOW_ROUNDS * SHORT_ROUND_S * (1 - 90.0 / 100.0))
+    counted_loss = WINDOW_ROUNDS * SHORT_ROUND_S * (1 - 90.0 / 100.0)
+    assert trial_with_calibration([90.0], 3.0, once=False).price[SPEC] == pytest.approx(3.0 + counted_loss)
 
 
 def drive_admitting(rates: dict[str, float], windows: int, admitting: str, prefill: float) -> list[str]:

@@ -261,7 +261,8 @@ def tune_native(loaded: models.LoadedModel, memory: widths.MachineMemory) -> tup
     entry = memory.get(job)
     span = entry.get("native_rows") if isinstance(entry, dict) else None
     if not _native_span(span):
-        span, timings = kernels.measure_native_rows(layers, built.ops, dtypes=built.linear_dtypes)
+        span, timings = kernels.measure_native_rows(layers, built.ops, repeats=kernels.NATIVE_REPEATS,
+                                                    dtypes=built.linear_dtypes)
         memory.put(job, {"native_rows": list(span), "ms": timings})
     first, last = span
     native.use_native_rows(model, last, first)
